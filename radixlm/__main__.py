@@ -1,0 +1,3 @@
+from radixlm.cli import main
+
+raise SystemExit(main())

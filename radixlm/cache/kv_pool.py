@@ -1,0 +1,117 @@
+"""The KV slot pool: preallocated K/V tensors for every layer and the free list of slots.
+
+A *slot* is the KV location of one token: row `s` of `k[layer]` and `v[layer]`. The pool hands
+slots out and takes them back; it never knows who holds them (the prefix cache keeps that
+account). Slot ids are numpy int64 arrays everywhere in the cache layer; the model side turns
+them into torch tensors without a copy (`torch.from_numpy`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class OutOfSlotsError(RuntimeError):
+    """Raised when more slots are asked for than are free."""
+
+    def __init__(self, requested: int, available: int) -> None:
+        super().__init__(f"KV pool out of slots: requested {requested}, {available} free")
+        self.requested = requested
+        self.available = available
+
+
+class SlotAllocator:
+    """A free list over `capacity` slot ids with double-free and unknown-slot detection."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        # A stack: the most recently freed slots are reused first (warm in the CPU caches).
+        self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
+        self._num_free = capacity
+        self._is_free = np.ones(capacity, dtype=bool)
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    def alloc(self, n: int) -> np.ndarray:
+        """Take `n` free slots. Raises OutOfSlotsError (and takes nothing) when fewer are free."""
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of slots ({n})")
+        if n > self._num_free:
+            raise OutOfSlotsError(n, self._num_free)
+        start = self._num_free - n
+        slots = self._free[start : self._num_free][::-1].copy()
+        self._num_free = start
+        self._is_free[slots] = False
+        return slots
+
+    def free(self, slots: np.ndarray) -> None:
+        """Return slots. Raises ValueError for an unknown slot, a slot already free, or a repeat."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if slots.size == 0:
+            return
+        if slots.min() < 0 or slots.max() >= self.capacity:
+            bad = slots[(slots < 0) | (slots >= self.capacity)][0]
+            raise ValueError(f"slot {bad} is not in the pool (capacity {self.capacity})")
+        if self._is_free[slots].any():
+            bad = slots[self._is_free[slots]][0]
+            raise ValueError(f"double free of slot {bad}")
+        if np.unique(slots).size != slots.size:
+            raise ValueError("the same slot is freed twice in one call")
+        self._is_free[slots] = True
+        self._free[self._num_free : self._num_free + slots.size] = slots
+        self._num_free += slots.size
+
+
+class KVPool:
+    """K and V tensors of shape [num_layers, num_slots, num_kv_heads, head_dim] and their slots.
+
+    `k_cache(layer)` / `v_cache(layer)` are views of shape [num_slots, num_kv_heads, head_dim];
+    the model writes new tokens' K/V at their slots and gathers a sequence's slots to attend.
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.allocator = SlotAllocator(num_slots)
+        shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    @property
+    def num_free(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k.element_size()
+
+    def alloc(self, n: int) -> np.ndarray:
+        return self.allocator.alloc(n)
+
+    def free(self, slots: np.ndarray) -> None:
+        self.allocator.free(slots)
+
+    def k_cache(self, layer: int) -> torch.Tensor:
+        return self.k[layer]
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        return self.v[layer]

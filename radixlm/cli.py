@@ -1,0 +1,42 @@
+"""The `radixlm` command line: one subcommand per job, each living in the module that owns it.
+
+A command module exposes `add_arguments(parser)` and `run(args) -> int`, and keeps its heavy
+imports (torch, transformers) inside `run`, so building the parser stays fast and light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {}
+
+# `radixlm bench <name>`
+BENCHES: dict[str, tuple[str, str]] = {}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixlm", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.set_defaults(_module=module)
+        _load(module).add_arguments(sub)
+    bench = commands.add_parser("bench", help="benchmarks that write JSON")
+    benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for name, (module, help_text) in BENCHES.items():
+        sub = benches.add_parser(name, help=help_text, description=help_text)
+        sub.set_defaults(_module=module)
+        _load(module).add_arguments(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    return int(_load(args._module).run(args) or 0)
+
+
+def _load(module: str):  # a command module: add_arguments(parser), run(args)
+    return importlib.import_module(module)

@@ -1,0 +1,73 @@
+"""Frozen, self-validating configuration for each part of radixlm.
+
+Each dataclass checks its values in `__post_init__` and raises `ValueError` naming the field, so
+bad settings fail at construction, never deep inside the engine. The CLI is built from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+CacheKind = Literal["radix", "none"]
+Policy = Literal["lpm", "fcfs"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to load and where it runs. `path` None means the default model."""
+
+    path: str | None = None
+    dtype: DType = "float32"
+    device: str = "cpu"
+    num_threads: int | None = None  # torch intra-op threads; None = the cores available
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV slot pool and the prefix cache over it."""
+
+    num_slots: int = 65_536  # KV slots (tokens) in the pool
+    page_size: int = 1  # matches and inserts cover whole pages of this many tokens
+    cache: CacheKind = "radix"  # "none" never reuses KV (the ablation)
+    kv_dtype: DType | None = None  # None = the model's dtype
+
+    def __post_init__(self) -> None:
+        if self.num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.cache not in ("radix", "none"):
+            raise ValueError(f"cache must be 'radix' or 'none', got {self.cache!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Budgets and ordering of the step loop."""
+
+    max_running_requests: int = 64
+    max_batch_tokens: int = 2048  # new tokens (prefill + decode) one forward may compute
+    chunk_size: int = 1024  # the longest prefill chunk of one request in one step
+    policy: Policy = "lpm"
+    max_waiting_requests: int = 4096  # a full waiting queue rejects new requests
+    max_wait_steps: int = 256  # LPM age bound: a request waiting longer goes first
+
+    def __post_init__(self) -> None:
+        for name in ("max_running_requests", "max_batch_tokens", "chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if self.max_wait_steps < 1:
+            raise ValueError(f"max_wait_steps must be >= 1, got {self.max_wait_steps}")
+        if self.policy not in ("lpm", "fcfs"):
+            raise ValueError(f"policy must be 'lpm' or 'fcfs', got {self.policy!r}")

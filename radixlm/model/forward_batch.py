@@ -1,0 +1,94 @@
+"""ForwardBatch: the complete description of one forward pass, passed to the model as an argument.
+
+Requests are laid out back to back. For request i with `prefix_len_i` tokens already in the pool
+(its cached prefix, or what earlier steps computed) and `extend_len_i` new tokens:
+
+    input_ids   [ r0 new tokens | r1 new tokens | ... ]          (T,)  T = sum(extend_lens)
+    positions   [ p0 .. p0+e0-1 | p1 .. p1+e1-1 | ... ]          (T,)  p_i = prefix_len_i
+    out_slots   [ where each new token's K/V is written ]        (T,)
+    seq_slots[i] = prefix slots of r_i + its out_slots           (prefix_len_i + extend_len_i,)
+
+Each new token attends causally to its request's prefix and to the new tokens before it. A decode
+step is the special case extend_len_i == 1 for every request. The model never keeps state between
+calls: everything it needs is here and in the KV pool.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill: any number of new tokens per request, on top of a prefix
+    DECODE = "decode"  # one new token per request
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64
+    out_slots: torch.Tensor  # (T,) int64 pool slots receiving the new K/V
+    seq_slots: list[torch.Tensor]  # per request: (prefix_len + extend_len,) int64 slots attended
+    extend_lens: list[int]  # per request: number of new tokens
+    prefix_lens: list[int]  # per request: tokens already in the pool before this step
+    logits_indices: torch.Tensor  # (R,) rows of the T new tokens whose logits are returned
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        new_tokens: Sequence[Sequence[int]],
+        prefix_slots: Sequence[np.ndarray],
+        new_slots: Sequence[np.ndarray],
+        all_logits: bool = False,
+        device: str | torch.device = "cpu",
+    ) -> ForwardBatch:
+        """Pack requests into a batch.
+
+        new_tokens[i]: request i's new token ids; prefix_slots[i]: the slots of its tokens already
+        in the pool (positions 0..prefix_len-1); new_slots[i]: one slot per new token, already
+        allocated by the caller. Logits are returned for the last new token of each request, or
+        for every new token when `all_logits` (tests compare full prefills).
+        """
+        if not (len(new_tokens) == len(prefix_slots) == len(new_slots)) or not new_tokens:
+            raise ValueError("new_tokens, prefix_slots, new_slots: equal non-empty lists")
+        extend_lens = [len(t) for t in new_tokens]
+        prefix_lens = [len(s) for s in prefix_slots]
+        for i, (e, s) in enumerate(zip(extend_lens, new_slots)):
+            if e == 0 or e != len(s):
+                raise ValueError(f"request {i}: {e} new tokens but {len(s)} new slots")
+        mode = ForwardMode.DECODE if all(e == 1 for e in extend_lens) else ForwardMode.EXTEND
+        ids = np.fromiter((t for toks in new_tokens for t in toks), dtype=np.int64)
+        positions = np.concatenate(
+            [np.arange(p, p + e, dtype=np.int64) for p, e in zip(prefix_lens, extend_lens)]
+        )
+        out = np.concatenate([np.asarray(s, dtype=np.int64) for s in new_slots])
+        seq_slots = [
+            torch.from_numpy(np.concatenate([np.asarray(p, np.int64), np.asarray(n, np.int64)]))
+            for p, n in zip(prefix_slots, new_slots)
+        ]
+        ends = np.cumsum(extend_lens)
+        logits_rows = np.arange(int(ends[-1])) if all_logits else ends - 1
+        return cls(
+            mode=mode,
+            input_ids=torch.from_numpy(ids).to(device),
+            positions=torch.from_numpy(positions).to(device),
+            out_slots=torch.from_numpy(out).to(device),
+            seq_slots=[s.to(device) for s in seq_slots],
+            extend_lens=extend_lens,
+            prefix_lens=prefix_lens,
+            logits_indices=torch.from_numpy(np.asarray(logits_rows, dtype=np.int64)).to(device),
+        )
