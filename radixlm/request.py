@@ -1,12 +1,26 @@
-"""Sampling parameters: the one description of how a request's tokens are chosen and when it stops.
+"""Requests: how a request samples (SamplingParams), its state in the engine, and what it returns.
 
-`SamplingParams` is shared by the offline API, the engine and the server. It validates itself on
-construction, so every later stage may trust it.
+`SamplingParams` is shared by the offline API, the engine and the server; it validates itself on
+construction, so every later stage may trust it. `Request` is one sequence inside the engine: its
+token ids, how many of them have KV in the pool, and which slots hold that KV. `RequestOutput` is
+what callers get back; `StreamDelta` is one step's increment of a running request.
+
+A request's tokens are `all_ids = prompt + output`. Its KV covers `all_ids[:num_computed]` and lives
+in `slots`; the first `cached_len` of those slots belong to the radix tree (the request holds a
+lock on `node`, the tree node ending there), the rest are in flight (owned by the request).
+Each step computes `all_ids[num_computed : num_computed + k]`; when that reaches the end of
+`all_ids`, the step's logits sample the next token. Prefill and decode are the same operation
+with different k.
 """
 
 from __future__ import annotations
 
+import enum
+import time
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -70,3 +84,140 @@ class SamplingParams:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # queued; holds no slots and no lock
+    RUNNING = "running"  # admitted; holds a lock on `node` and its in-flight slots
+    FINISHED = "finished"  # done; every slot handed to the tree or freed
+
+
+FinishReason = str  # "stop" (eos, stop token or stop string), "length", "abort", "error"
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The sampled token's log-probability and the most likely alternatives at that step."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token_id, logprob), most likely first
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence in the engine (a request with n > 1 becomes n of these)."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    namespace: str | None = None  # cache_salt: requests in different namespaces share nothing
+    index: int = 0  # which of the request's n samples this is
+    arrival_time: float = field(default_factory=time.perf_counter)
+
+    state: RequestState = RequestState.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    all_ids: list[int] = field(init=False)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+    # KV bookkeeping, changed only through the prefix cache (see the module docstring).
+    node: Any = None
+    slots: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    cached_len: int = 0
+    num_computed: int = 0
+    cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
+    num_prefilled: int = 0  # tokens this request computed in extend steps (for accounting)
+
+    # Forks of an n > 1 request wait here until the first sample's prompt is computed.
+    forks: list[Request] = field(default_factory=list)
+
+    # Timings (perf_counter seconds).
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    wait_steps: int = 0  # scheduling passes spent waiting (the LPM age bound)
+
+    # Per-request sampling and text state, set by the engine.
+    sampling: Any = None
+    text: Any = None
+
+    def __post_init__(self) -> None:
+        self.all_ids = list(self.prompt_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.all_ids)
+
+    @property
+    def remaining_len(self) -> int:
+        """Tokens whose KV is not computed yet (1 while decoding)."""
+        return len(self.all_ids) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    arrival_time: float
+    queue_s: float  # arrival -> first scheduled
+    ttft_s: float  # arrival -> first output token
+    total_s: float  # arrival -> finished
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's n samples."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """The result of a finished request (LLM.generate) or its state so far."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    cached_tokens: int  # prompt tokens served from the cache (first sample)
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.outputs[0].finish_reason
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """What one step added to one sample of a request (the AsyncEngine streams these)."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    error: str | None = None

@@ -1,0 +1,301 @@
+"""The engine: the step loop that turns requests into tokens without computing anything twice.
+
+    step():  schedule -> build batch -> forward -> sample -> postprocess
+
+The scheduler decides who computes which tokens and hands out their slots; the runner computes
+logits; postprocessing appends sampled tokens, streams text, commits finished prompts to the
+radix tree and retires finished requests. The engine is single-threaded: `AsyncEngine` runs it
+in a background thread, `LLM` drives it synchronously.
+
+Slot ownership over a request's life (the prefix cache keeps the account):
+    admit    lock the matched node (tree slots), allocate the first chunk (in flight)
+    prefill  every chunk is committed to the tree as soon as it is computed, so other requests
+             can reuse it while the rest is still computing
+    decode   one in-flight slot per generated token
+    finish   commit prompt + output to the tree, unlock, free what the tree did not take
+    abort    the same as finish, at any stage
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from radixlm.cache.prefix_cache import make_prefix_cache
+from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
+from radixlm.engine.runner import ModelRunner
+from radixlm.engine.sampler import Sampler
+from radixlm.engine.scheduler import ScheduledRequest, Scheduler
+from radixlm.engine.text import TextStream
+from radixlm.model.forward_batch import ForwardBatch
+from radixlm.request import Request, RequestState, SamplingParams, StreamDelta, TokenLogprob
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started (tokens are token positions computed by the model)."""
+
+    steps: int = 0
+    prefill_tokens: int = 0  # computed outside plain decode (what the cache tries to avoid)
+    decode_tokens: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (first sample only)
+    cached_prompt_tokens: int = 0  # of those, served from the cache at admission
+    finished_requests: int = 0
+    aborted_requests: int = 0
+
+
+class Engine:
+    """Owns the runner (model + pool), the prefix cache, the scheduler and the sampler."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig | None = None,
+        cache_config: CacheConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+    ) -> None:
+        self.model_config = model_config or ModelConfig()
+        self.cache_config = cache_config or CacheConfig()
+        self.scheduler_config = scheduler_config or SchedulerConfig()
+        self.runner = ModelRunner(self.model_config, self.cache_config)
+        self.tokenizer = self.runner.tokenizer
+        self.cache = make_prefix_cache(self.cache_config, self.runner.pool)
+        self.scheduler = Scheduler(self.scheduler_config, self.cache)
+        self.sampler = Sampler()
+        self.stats = EngineStats()
+        self._requests: dict[str, list[Request]] = {}  # request id -> its n samples
+        self._ids = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        namespace: str | None = None,
+    ) -> str:
+        """Queue a request (as `params.n` samples). Raises ValueError when it can never run."""
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        prompt = [int(t) for t in prompt_ids]
+        self._validate(prompt, params)
+        samples = [Request(rid, prompt, params, namespace, index=i) for i in range(params.n)]
+        for req in samples:
+            req.sampling = self.sampler.new_state(req.params, prompt, seed_offset=req.index)
+            req.text = TextStream(self.tokenizer, req.params)
+        leader = samples[0]
+        if self.cache.shares_prefixes:
+            leader.forks = samples[1:]  # they start from the leader's prompt KV and logits
+            self.scheduler.add(leader)
+        else:
+            for req in samples:
+                self.scheduler.add(req)
+        self._requests[rid] = samples
+        return rid
+
+    def abort(self, request_id: str) -> list[StreamDelta]:
+        """Stop a request at any stage; every slot it held is freed or handed to the tree."""
+        return self._stop(request_id, "abort")
+
+    def fail_all(self, error: str, reason: str = "error") -> list[StreamDelta]:
+        """Stop every unfinished request (after an internal error, or at shutdown)."""
+        return [d for rid in list(self._requests) for d in self._stop(rid, reason, error)]
+
+    def _stop(self, request_id: str, reason: str, error: str | None = None) -> list[StreamDelta]:
+        samples = self._requests.get(request_id)
+        if samples is None:
+            return []
+        deltas = []
+        for req in samples:
+            if req.finished:
+                continue
+            if req in samples[0].forks:  # a fork still waiting for the leader's prompt
+                samples[0].forks.remove(req)
+            else:
+                self.scheduler.remove(req)
+            req.error = error
+            deltas.append(self._finish(req, reason))
+        self.stats.aborted_requests += 1
+        return deltas
+
+    def requests(self, request_id: str) -> list[Request]:
+        """The samples of an unfinished request (they stay valid after it finishes)."""
+        return list(self._requests[request_id])
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[StreamDelta]:
+        """Run one scheduling + forward pass; return what each touched request produced."""
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        batch = _prepare_batch(plan.scheduled, self.runner.device)
+        logits = self.runner.forward(batch)  # (R, vocab): the last new token of each request
+        self.stats.steps += 1
+        return self._postprocess(plan.scheduled, logits)
+
+    def _postprocess(
+        self, scheduled: list[ScheduledRequest], logits: torch.Tensor
+    ) -> list[StreamDelta]:
+        rows: list[int] = []  # logits row of each sampled request
+        sampling: list[Request] = []
+        for row, item in enumerate(scheduled):
+            req = item.req
+            decoding = self._count(req, item.extend_len)
+            req.slots = np.concatenate([req.slots, item.new_slots])
+            req.num_computed += item.extend_len
+            if not decoding:
+                self._commit(req)  # prefilled KV enters the tree at once: others reuse it now
+            if req.remaining_len > 0:
+                continue  # a chunk of a longer prefill: nothing to sample yet
+            for r in (req, *self._start_forks(req)):
+                rows.append(row)
+                sampling.append(r)
+        if not sampling:
+            return []
+        sample = self.sampler.sample(logits[rows], [r.sampling for r in sampling])
+        now = time.perf_counter()
+        return [
+            self._append_token(req, token, logprob, now)
+            for req, token, logprob in zip(sampling, sample.token_ids, sample.logprobs)
+        ]
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _append_token(
+        self, req: Request, token: int, logprob: TokenLogprob | None, now: float
+    ) -> StreamDelta:
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.output_ids.append(token)
+        req.all_ids.append(token)
+        req.sampling.append(token)
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        text, reason = req.text.append(token, len(req.output_ids), self._is_eos(req, token))
+        if reason is None and req.seq_len >= self.runner.max_context_len:
+            reason = "length"
+        if reason is not None:
+            self._retire(req)
+            return self._finish(req, reason, text=text, new_tokens=[token])
+        return self._delta(req, text, [token], None)
+
+    def _start_forks(self, leader: Request) -> list[Request]:
+        """Forks of an n > 1 request share the leader's prompt KV (via the tree) and logits."""
+        if not leader.forks:
+            return []
+        forks, leader.forks = leader.forks, []
+        started = []
+        for fork in forks:
+            match = self.cache.match(fork.all_ids, fork.namespace)
+            if match.length < fork.seq_len:  # the tree could not take the whole prompt (pages)
+                self.scheduler.add(fork)
+                continue
+            self.cache.lock(match.node)
+            self.scheduler._start(fork, match.node, match.slots, match.length)
+            started.append(fork)
+        return started
+
+    def _commit(self, req: Request) -> None:
+        res = self.cache.commit(req.all_ids[: req.num_computed], req.slots, req.namespace, req.node)
+        req.node, req.slots, req.cached_len = res.node, res.slots, res.cached_len
+
+    def _retire(self, req: Request) -> None:
+        """A finished request leaves the running queue; its KV goes to the tree."""
+        self.scheduler.remove(req)
+
+    def _finish(
+        self,
+        req: Request,
+        reason: str,
+        text: str = "",
+        new_tokens: list[int] | None = None,
+    ) -> StreamDelta:
+        req.state = RequestState.FINISHED
+        req.finish_reason = reason
+        req.finished_time = time.perf_counter()
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = req.finished_time
+        samples = self._requests[req.rid]
+        if all(r.finished for r in samples):
+            del self._requests[req.rid]
+            self.stats.finished_requests += 1
+        return self._delta(req, text, new_tokens or [], reason)
+
+    def _delta(
+        self, req: Request, text: str, tokens: list[int], reason: str | None
+    ) -> StreamDelta:
+        n = len(tokens)
+        return StreamDelta(
+            request_id=req.rid,
+            index=req.index,
+            text=text,
+            token_ids=tokens,
+            logprobs=req.logprobs[len(req.logprobs) - n :] if req.logprobs and n else [],
+            finish_reason=reason,
+            prompt_tokens=req.prompt_len,
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens or 0,
+            error=req.error,
+        )
+
+    def _count(self, req: Request, extend_len: int) -> bool:
+        """Count the step's tokens; True when it was a plain decode step for this request."""
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.perf_counter()
+            if req.index == 0:
+                self.stats.prompt_tokens += req.prompt_len
+                self.stats.cached_prompt_tokens += req.cached_tokens or 0
+        decoding = extend_len == 1 and req.num_computed >= req.prompt_len
+        if decoding:
+            self.stats.decode_tokens += 1
+        else:
+            self.stats.prefill_tokens += extend_len
+            req.num_prefilled += extend_len
+        return decoding
+
+    def _is_eos(self, req: Request, token: int) -> bool:
+        if token in req.params.stop_token_ids:
+            return True
+        return not req.params.ignore_eos and token in self.tokenizer.eos_token_ids
+
+    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        vocab = self.runner.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        need = len(prompt) + params.max_tokens
+        context = self.runner.max_context_len
+        if need > context:
+            raise ValueError(
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) "
+                f"exceeds the model's context length of {context} tokens"
+            )
+        if need > self.cache.capacity:
+            raise ValueError(
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) needs "
+                f"more KV slots than the pool holds ({self.cache.capacity})"
+            )
+
+
+def _prepare_batch(scheduled: list[ScheduledRequest], device: torch.device) -> ForwardBatch:
+    return ForwardBatch.build(
+        new_tokens=[
+            s.req.all_ids[s.req.num_computed : s.req.num_computed + s.extend_len] for s in scheduled
+        ],
+        prefix_slots=[s.req.slots for s in scheduled],
+        new_slots=[s.new_slots for s in scheduled],
+        device=device,
+    )

@@ -1,0 +1,125 @@
+"""LLM: the offline Python API. Give it prompts, get finished outputs.
+
+    from radixlm import LLM, SamplingParams
+    llm = LLM()                                   # the default model
+    outs = llm.generate(["Hello", [1, 2, 3], [{"role": "user", "content": "Hi"}]],
+                        SamplingParams(temperature=0, max_tokens=32))
+    outs[0].text, outs[0].cached_tokens, outs[0].metrics.ttft_s
+
+A prompt is a string, a list of token ids, or a list of chat messages (the model's chat template
+is applied). All prompts are queued at once, so the scheduler batches them and shares prefixes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
+from radixlm.engine.engine import Engine
+from radixlm.request import (
+    CompletionOutput,
+    Request,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+)
+
+Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        num_threads: int | None = None,
+        cache: str = "radix",
+        num_slots: int = CacheConfig.num_slots,
+        page_size: int = 1,
+        policy: str = "lpm",
+        chunk_size: int = SchedulerConfig.chunk_size,
+        max_batch_tokens: int = SchedulerConfig.max_batch_tokens,
+        max_running_requests: int = SchedulerConfig.max_running_requests,
+    ) -> None:
+        self.engine = Engine(
+            ModelConfig(path=model, dtype=dtype, device=device, num_threads=num_threads),  # type: ignore[arg-type]
+            CacheConfig(num_slots=num_slots, page_size=page_size, cache=cache),  # type: ignore[arg-type]
+            SchedulerConfig(
+                chunk_size=chunk_size,
+                max_batch_tokens=max_batch_tokens,
+                max_running_requests=max_running_requests,
+                policy=policy,  # type: ignore[arg-type]
+            ),
+        )
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in the order of the prompts."""
+        batch = [prompts] if _is_single_prompt(prompts) else list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(batch)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(batch):
+                raise ValueError(f"{len(batch)} prompts but {len(params_list)} SamplingParams")
+        ids = [self.engine.add_request(self.to_token_ids(p), sp, namespace=cache_salt)
+               for p, sp in zip(batch, params_list)]
+        samples = {rid: self.engine.requests(rid) for rid in ids}
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [_output(rid, samples[rid]) for rid in ids]
+
+    def to_token_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        items = list(prompt)
+        if items and all(isinstance(m, dict) for m in items):
+            return self.tokenizer.apply_chat_template(items)
+        if all(isinstance(t, int) for t in items):
+            return [int(t) for t in items]
+        raise ValueError("a prompt is a string, a list of token ids, or a list of chat messages")
+
+
+def _is_single_prompt(prompts: object) -> bool:
+    if isinstance(prompts, str):
+        return True
+    items = list(prompts)  # type: ignore[call-overload]
+    return bool(items) and all(isinstance(x, (int, dict)) for x in items)
+
+
+def _output(rid: str, samples: list[Request]) -> RequestOutput:
+    first = samples[0]
+    metrics = None
+    if first.finished_time is not None:
+        metrics = RequestMetrics(
+            arrival_time=first.arrival_time,
+            queue_s=(first.first_scheduled_time or first.finished_time) - first.arrival_time,
+            ttft_s=(first.first_token_time or first.finished_time) - first.arrival_time,
+            total_s=max(r.finished_time or 0.0 for r in samples) - first.arrival_time,
+        )
+    return RequestOutput(
+        request_id=rid,
+        prompt_token_ids=first.prompt_ids,
+        outputs=[
+            CompletionOutput(
+                index=r.index,
+                text=r.text.text,
+                token_ids=list(r.output_ids),
+                finish_reason=r.finish_reason,
+                logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
+            )
+            for r in samples
+        ],
+        cached_tokens=first.cached_tokens or 0,
+        metrics=metrics,
+        error=next((r.error for r in samples if r.error), None),
+    )

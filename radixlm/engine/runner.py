@@ -1,0 +1,60 @@
+"""The model runner: owns the model and the KV pool, and turns a ForwardBatch into logits.
+
+Nothing else touches the model's weights or the pool's tensors; the prefix cache hands out the
+pool's slot ids, the runner's model reads and writes the K/V rows behind them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from radixlm.cache.kv_pool import KVPool
+from radixlm.config import CacheConfig, ModelConfig
+from radixlm.model.forward_batch import ForwardBatch
+from radixlm.model.loader import load_model
+from radixlm.tokenizer import Tokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+        torch.set_num_threads(model_config.num_threads or _available_cores())
+        if model_config.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {model_config.device!r} asked for, but CUDA is not available")
+        loaded = load_model(model_config.path, dtype=model_config.dtype, device=model_config.device)
+        self.model = loaded.model
+        self.arch = loaded.config
+        self.tokenizer = Tokenizer(loaded.tokenizer)
+        self.device = torch.device(model_config.device)
+        kv_dtype = _DTYPES[cache_config.kv_dtype or model_config.dtype]
+        self.pool = KVPool(
+            cache_config.num_slots,
+            self.arch.num_layers,
+            self.arch.num_kv_heads,
+            self.arch.head_dim,
+            dtype=kv_dtype,
+            device=self.device,
+        )
+
+    @property
+    def max_context_len(self) -> int:
+        return int(self.arch.max_context_len)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.arch.vocab_size)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run one forward pass: (R, vocab) float32 logits for the batch's logits rows."""
+        with torch.inference_mode():
+            return self.model(batch, self.pool).float()
+
+
+def _available_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)

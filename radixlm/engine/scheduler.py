@@ -1,0 +1,225 @@
+"""The scheduler: which requests compute how many tokens in the next forward, and their slots.
+
+It owns the waiting and running queues and is the only caller of the prefix cache's
+lock / alloc / release for admission and retraction. One `schedule()` call builds one step:
+
+    1. decode   every running request with one token left gets one slot (oldest first);
+    2. prefill  running requests in the middle of a chunked prefill get their next chunk;
+    3. admit    waiting requests, in policy order (longest cached prefix first, with an age
+                bound), while the token budget, the running cap and the memory allow.
+
+Memory never deadlocks: when a running request cannot get a slot, the newest running request is
+retracted — its computed KV is committed to the tree, so it resumes with a cache hit — and
+requeued at the front. Admission guarantees every request fits the pool alone, so the oldest
+running request always makes progress.
+
+In-batch sharing: a waiting request whose uncached prefix is being computed right now by another
+request (tracked in a scratch radix tree of in-progress sequences) waits for that computation to
+enter the tree instead of computing the same tokens again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from radixlm.cache.kv_pool import OutOfSlotsError
+from radixlm.cache.prefix_cache import PrefixCache
+from radixlm.cache.radix_tree import RadixTree
+from radixlm.config import SchedulerConfig
+from radixlm.request import Request, RequestState
+
+# A waiting request defers to an in-progress one when it would share this many more tokens.
+IN_BATCH_SHARE_MIN = 32
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    req: Request
+    extend_len: int  # tokens computed this step: all_ids[num_computed : num_computed + extend_len]
+    new_slots: np.ndarray  # one in-flight slot per computed token
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    retracted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.extend_len for s in self.scheduled)
+
+
+class Scheduler:
+    """Waiting and running queues over a prefix cache (see the module docstring)."""
+
+    def __init__(self, config: SchedulerConfig, cache: PrefixCache) -> None:
+        self.config = config
+        self.cache = cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last is the newest
+        self.num_retractions = 0
+
+    # ---- queues ---------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        """Queue a request. The caller has checked that it fits the pool and the context."""
+        req.state = RequestState.WAITING
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of the queues, returning or handing over all its slots.
+
+        Computed KV of a running request is committed to the tree (a retry will hit it); the rest
+        is freed. Mutates the cache; the request holds no lock and no slot afterwards.
+        """
+        if req.state is RequestState.WAITING:
+            self.waiting.remove(req)
+        elif req.state is RequestState.RUNNING:
+            self.running.remove(req)
+            self._drop_kv(req)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_batch_tokens
+        scheduled: set[int] = set()
+        for req in [r for r in self.running if r.remaining_len == 1]:  # decode, oldest first
+            if budget == 0:
+                break
+            if req.state is RequestState.RUNNING and self._extend(req, 1, out, scheduled):
+                budget -= 1
+        for req in [r for r in self.running if r.remaining_len > 1]:  # chunked prefill
+            if budget == 0:
+                break
+            n = min(req.remaining_len, self.config.chunk_size, budget)
+            if req.state is RequestState.RUNNING and self._extend(req, n, out, scheduled):
+                budget -= n
+        self._admit(budget, out)
+        return out
+
+    def _extend(
+        self, req: Request, n: int, out: SchedulerOutput, scheduled: set[int]
+    ) -> bool:
+        """Give a running request n slots, retracting newer requests while memory is short."""
+        while True:
+            try:
+                slots = self.cache.alloc(n)
+            except OutOfSlotsError:
+                victim = self._newest_unscheduled(scheduled)
+                if victim is None:
+                    return False
+                self._retract(victim, out)
+                if victim is req:
+                    return False
+                continue
+            out.scheduled.append(ScheduledRequest(req, n, slots))
+            scheduled.add(id(req))
+            return True
+
+    def _admit(self, budget: int, out: SchedulerOutput) -> None:
+        """Admit waiting requests in policy order while budget, running cap and memory allow."""
+        if not self.waiting:
+            return
+        in_progress = self._in_progress_tree()
+        admitted: list[Request] = []
+        for req in self._waiting_order():
+            if budget == 0 or len(self.running) >= self.config.max_running_requests:
+                break
+            match = self.cache.match(req.all_ids[:-1], req.namespace)
+            if in_progress is not None:
+                shared = in_progress.match(req.all_ids[:-1], req.namespace).length
+                if shared >= match.length + IN_BATCH_SHARE_MIN:
+                    continue  # another request is computing this prefix right now
+            n = min(req.seq_len - match.length, self.config.chunk_size, budget)
+            self.cache.lock(match.node)
+            try:
+                slots = self.cache.alloc(n)
+            except OutOfSlotsError:
+                self.cache.unlock(match.node)
+                break  # memory is full: admit nothing more this step
+            self._start(req, match.node, match.slots, match.length)
+            admitted.append(req)
+            out.scheduled.append(ScheduledRequest(req, n, slots))
+            budget -= n
+            if in_progress is not None:
+                in_progress.insert(req.all_ids, _placeholder_slots(req.seq_len), req.namespace)
+        for req in admitted:
+            self.waiting.remove(req)
+        for req in self.waiting:
+            req.wait_steps += 1
+
+    def _waiting_order(self) -> list[Request]:
+        """FCFS, or LPM: requests past the age bound first (oldest first), then the longest
+        cached prefix first (ties by arrival)."""
+        if self.config.policy == "fcfs":
+            return list(self.waiting)
+        aged = [r for r in self.waiting if r.wait_steps >= self.config.max_wait_steps]
+        fresh = [r for r in self.waiting if r.wait_steps < self.config.max_wait_steps]
+        hints = {id(r): self.cache.peek(r.all_ids[:-1], r.namespace) for r in fresh}
+        fresh.sort(key=lambda r: -hints[id(r)])  # stable: ties keep arrival order
+        return aged + fresh
+
+    def _in_progress_tree(self) -> RadixTree | None:
+        """A scratch tree of sequences being prefilled now (None when the cache never shares)."""
+        if not self.cache.shares_prefixes:
+            return None
+        tree = RadixTree(page_size=1)
+        for req in self.running:
+            if req.remaining_len > 1:
+                tree.insert(req.all_ids, _placeholder_slots(req.seq_len), req.namespace)
+        return tree
+
+    # ---- slot ownership transitions --------------------------------------------------------
+    def _start(self, req: Request, node: object, slots: np.ndarray, cached_len: int) -> None:
+        req.state = RequestState.RUNNING
+        req.node = node
+        req.slots = slots
+        req.cached_len = cached_len
+        req.num_computed = cached_len
+        req.wait_steps = 0
+        if req.cached_tokens is None:
+            req.cached_tokens = min(cached_len, req.prompt_len)
+        self.running.append(req)
+
+    def _retract(self, req: Request, out: SchedulerOutput) -> None:
+        """Hand a running request's KV to the tree and requeue it at the front."""
+        self.running.remove(req)
+        self._drop_kv(req)
+        req.state = RequestState.WAITING
+        self.waiting.appendleft(req)
+        out.retracted.append(req)
+        self.num_retractions += 1
+
+    def _drop_kv(self, req: Request) -> None:
+        commit = self.cache.commit(
+            req.all_ids[: req.num_computed], req.slots, req.namespace, req.node
+        )
+        self.cache.release(commit.node, commit.slots[commit.cached_len :])
+        req.node = None
+        req.slots = np.empty(0, dtype=np.int64)
+        req.cached_len = 0
+        req.num_computed = 0
+
+    def _newest_unscheduled(self, scheduled: set[int]) -> Request | None:
+        for req in reversed(self.running):
+            if id(req) not in scheduled:
+                return req
+        return None
+
+
+def _placeholder_slots(n: int) -> np.ndarray:
+    # The scratch tree only answers "how much is shared"; its slot values are never read.
+    return np.zeros(n, dtype=np.int64)
