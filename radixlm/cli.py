@@ -11,10 +11,16 @@ import importlib
 import sys
 
 # command name -> (module, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("radixlm.commands.serve", "the OpenAI-compatible HTTP server"),
+    "chat": ("radixlm.commands.chat", "a terminal chat that shows the prefix cache at work"),
+    "generate": ("radixlm.commands.generate", "one prompt in, one completion out"),
+}
 
 # `radixlm bench <name>`
-BENCHES: dict[str, tuple[str, str]] = {}
+BENCHES: dict[str, tuple[str, str]] = {
+    "serve": ("radixlm.bench.online", "load an OpenAI-compatible server with a workload"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
