@@ -49,6 +49,10 @@ class EngineStats:
     aborted_requests: int = 0
 
 
+class QueueFullError(RuntimeError):
+    """The waiting queue holds SchedulerConfig.max_waiting_requests: come back later."""
+
+
 class Engine:
     """Owns the runner (model + pool), the prefix cache, the scheduler and the sampler."""
 
@@ -78,7 +82,10 @@ class Engine:
         request_id: str | None = None,
         namespace: str | None = None,
     ) -> str:
-        """Queue a request (as `params.n` samples). Raises ValueError when it can never run."""
+        """Queue a request (as `params.n` samples). Raises ValueError when it can never run,
+        QueueFullError when the waiting queue is full."""
+        if self.scheduler.num_waiting >= self.scheduler_config.max_waiting_requests:
+            raise QueueFullError(f"{self.scheduler.num_waiting} requests are waiting already")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
