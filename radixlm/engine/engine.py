@@ -239,9 +239,7 @@ class Engine:
             self.stats.finished_requests += 1
         return self._delta(req, text, new_tokens or [], reason)
 
-    def _delta(
-        self, req: Request, text: str, tokens: list[int], reason: str | None
-    ) -> StreamDelta:
+    def _delta(self, req: Request, text: str, tokens: list[int], reason: str | None) -> StreamDelta:
         n = len(tokens)
         return StreamDelta(
             request_id=req.rid,

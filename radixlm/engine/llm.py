@@ -71,8 +71,10 @@ class LLM:
             params_list = list(params)
             if len(params_list) != len(batch):
                 raise ValueError(f"{len(batch)} prompts but {len(params_list)} SamplingParams")
-        ids = [self.engine.add_request(self.to_token_ids(p), sp, namespace=cache_salt)
-               for p, sp in zip(batch, params_list)]
+        ids = [
+            self.engine.add_request(self.to_token_ids(p), sp, namespace=cache_salt)
+            for p, sp in zip(batch, params_list)
+        ]
         samples = {rid: self.engine.requests(rid) for rid in ids}
         while self.engine.has_unfinished():
             self.engine.step()

@@ -110,9 +110,7 @@ class Scheduler:
         self._admit(budget, out)
         return out
 
-    def _extend(
-        self, req: Request, n: int, out: SchedulerOutput, scheduled: set[int]
-    ) -> bool:
+    def _extend(self, req: Request, n: int, out: SchedulerOutput, scheduled: set[int]) -> bool:
         """Give a running request n slots, retracting newer requests while memory is short."""
         while True:
             try:

@@ -72,8 +72,17 @@ def error_body(
 
 def from_validation_error(exc: ValidationError) -> APIError:
     """The first problem of a request that failed its schema, as a 400 naming the parameter."""
-    err = exc.errors(include_url=False)[0]
+    errors = exc.errors(include_url=False)
+    err = errors[0]
     loc = [str(part) for part in err["loc"]]
+    tag = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
+    if tag is not None:  # no member of a union matched: name the value, list the members
+        union = ".".join(loc[:tag])
+        members = dict.fromkeys(
+            str(e["loc"][tag]) for e in errors if [str(p) for p in e["loc"][:tag]] == loc[:tag]
+        )
+        expected = " or ".join(members)
+        return APIError(400, f"Invalid value for {union!r}: expected {expected}", param=union)
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, ParamError):
         return APIError(400, str(cause), param=cause.param)
@@ -82,12 +91,20 @@ def from_validation_error(exc: ValidationError) -> APIError:
     if err["type"] == "model_type" and not loc:
         return APIError(400, "The request body must be a JSON object")
     param = ".".join(loc) or None
+    if param is None:  # a check on the whole request
+        return APIError(400, err["msg"].removeprefix("Value error, "))
     if err["type"] == "extra_forbidden":
         return APIError(400, f"Unrecognized request argument supplied: {param}", param=param)
     if err["type"] == "missing":
         return APIError(400, f"Missing required parameter: {param}", param=param)
     message = err["msg"].removeprefix("Value error, ")
     return APIError(400, f"Invalid value for {param!r}: {message}", param=param)
+
+
+def _is_union_tag(part: str) -> bool:
+    """Pydantic names the union member an error belongs to in its location: 'str',
+    'list[TextPart]', 'TextPart'; field names are lower-case identifiers."""
+    return part in ("str", "int", "float", "bool") or "[" in part or part[:1].isupper()
 
 
 def install_error_handlers(app: FastAPI) -> None:
