@@ -159,11 +159,16 @@ class ChatMessage(_Strict):
     content: str | list[TextPart]
     name: str | None = None
 
-    @property
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+    def to_template(self) -> dict[str, Any]:
+        """The message as the tokenizer's chat template takes it (`developer` is a system
+        message; the tokenizer flattens text parts, the same way for every caller)."""
+        content: Any = self.content
+        if not isinstance(content, str):
+            content = [part.model_dump() for part in content]
+        out = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class ResponseFormat(_Strict):
@@ -210,12 +215,8 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_completion_tokens or self.max_tokens
 
     @property
-    def template_messages(self) -> list[dict[str, str]]:
-        """The messages as a chat template expects them (`developer` is a system message)."""
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text}
-            for m in self.messages
-        ]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.to_template() for m in self.messages]
 
 
 def _is_prompt(prompt: Any) -> bool:
