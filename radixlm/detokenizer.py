@@ -140,7 +140,7 @@ class OutputStream:
     """One output of a request: sampled token ids in, text deltas and the finish reason out.
 
     Push every sampled token, in order. The output finishes with
-    - "stop" on a token of `params.stop_token_ids`, or of `eos_token_ids` unless
+    - "stop" on a token of `params.stop_token_ids`, or of `tokenizer.eos_token_ids` unless
       `params.ignore_eos`: that token is kept in `token_ids` but its text is not emitted;
     - "stop" when the text contains a stop string: the text ends before it;
     - "length" when `token_ids` reaches `params.max_tokens`.
@@ -148,13 +148,11 @@ class OutputStream:
     `push` raises.
     """
 
-    def __init__(
-        self, tokenizer: Tokenizer, params: SamplingParams, eos_token_ids: Iterable[int] = ()
-    ) -> None:
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
         self._params = params
         self._stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
-            self._stop_ids.update(eos_token_ids)
+            self._stop_ids.update(tokenizer.eos_token_ids)
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._stop_checker = StopChecker(params.stop)
         self.token_ids: list[int] = []

@@ -151,7 +151,7 @@ def test_stop_checker_matches_brute_force(pieces: list[str], stops: list[str]) -
 
 def run(params: SamplingParams, ids: list[int]) -> OutputStream:
     tok = byte_level()
-    output = OutputStream(tok, params, tok.eos_token_ids)
+    output = OutputStream(tok, params)
     for token_id in ids:
         delta = output.push(token_id)
         if delta.finish_reason is not None:

@@ -81,7 +81,7 @@ class Sampler:
         self._rng = random.Random(seed)  # the uniforms of unseeded requests
 
     def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SampleOutput:
-        """Pick one token per row of `logits` (R, V) float32, row i under `states[i]`.
+        """Pick one token per row of `logits` (R, V), row i under `states[i]`.
 
         Reads the states' params and token ids; advances the random stream of every sampled row
         (its own `rng`, or the sampler's for unseeded rows), by exactly one draw per step.
@@ -92,6 +92,7 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} states")
         if not states:
             return SampleOutput([], [])
+        logits = logits.float()  # a no-op for float32; half-precision cdfs would be too coarse
         scores = apply_penalties(logits, states)  # (R, V), a copy when any penalty applies
         sampled_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if not sampled_rows:
