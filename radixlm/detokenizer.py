@@ -131,7 +131,7 @@ def _partial_stop_len(text: str, stop: Sequence[str]) -> int:
     return best
 
 
-class StreamDelta(NamedTuple):
+class TextDelta(NamedTuple):
     text: str  # new output text for the client (may be "")
     finish_reason: FinishReason | None  # None while the output goes on
 
@@ -159,7 +159,7 @@ class OutputStream:
         self.text = ""
         self.finish_reason: FinishReason | None = None
 
-    def push(self, token_id: int) -> StreamDelta:
+    def push(self, token_id: int) -> TextDelta:
         """Add one sampled token; return its text delta and the finish reason, if it ends here."""
         if self.finish_reason is not None:
             raise RuntimeError(f"output already finished ({self.finish_reason})")
@@ -172,9 +172,9 @@ class OutputStream:
         if len(self.token_ids) >= self._params.max_tokens:
             return self._finish("length", match.text)
         self.text += match.text
-        return StreamDelta(match.text, None)
+        return TextDelta(match.text, None)
 
-    def _finish(self, reason: FinishReason, text: str, flush: bool = True) -> StreamDelta:
+    def _finish(self, reason: FinishReason, text: str, flush: bool = True) -> TextDelta:
         if flush:  # emit what was held back for a character or a stop string that never came
             match = self._stop_checker.push(self._detokenizer.flush())
             text += match.text
@@ -182,4 +182,4 @@ class OutputStream:
                 text += self._stop_checker.flush()
         self.text += text
         self.finish_reason = reason
-        return StreamDelta(text, reason)
+        return TextDelta(text, reason)
