@@ -316,6 +316,7 @@ class RadixTree:
             if buf.startswith(key, pos):
                 pos += len(key)
             else:
+                child.last_access = tick  # as SGLang does: the part below the split counts as seen
                 common = self._common_len(key, buf, pos)
                 child = self._split(child, common)
                 pos = end = pos + common * TOKEN_BYTES  # the walk ends inside this edge
