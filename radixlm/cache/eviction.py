@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from radixlm.cache.radix_tree import TreeNode
+    from radixlm.cache.tree_node import TreeNode
 
 
 class EvictionPolicy(Protocol):

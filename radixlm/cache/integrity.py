@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from radixlm.cache.tree_node import TOKEN_BYTES, TreeNode
+
 if TYPE_CHECKING:
-    from radixlm.cache.radix_tree import RadixTree, TreeNode
+    from radixlm.cache.radix_tree import RadixTree
 
 
 class IntegrityError(AssertionError):
@@ -19,8 +21,6 @@ class IntegrityError(AssertionError):
 
 
 def check_tree(tree: RadixTree) -> None:
-    from radixlm.cache.radix_tree import TOKEN_BYTES
-
     page = tree.page_size
     page_b = page * TOKEN_BYTES
     evictable = protected = num_nodes = 0
@@ -75,8 +75,6 @@ def check_tree(tree: RadixTree) -> None:
 
 
 def _check_edge(parent: TreeNode, first: bytes, child: TreeNode, page: int, page_b: int) -> None:
-    from radixlm.cache.radix_tree import TOKEN_BYTES
-
     _require(child.parent is parent, "links", f"{child!r} does not point back to its parent")
     _require(first == child.key[:page_b], "child keys", f"{child!r} is filed under another key")
     size = len(child.value)

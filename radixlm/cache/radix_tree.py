@@ -20,85 +20,30 @@ is searched with numpy for the first differing token.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 
 from radixlm.cache.eviction import EvictionOrder, EvictionPolicy, make_policy
+from radixlm.cache.tree_node import (
+    I64,
+    NO_SLOTS,
+    TOKEN_BYTES,
+    EvictResult,
+    InsertResult,
+    MatchResult,
+    Namespace,
+    TreeNode,
+    TreeStats,
+)
 
-Namespace = str | None
-TOKEN_BYTES = 8  # token ids are int64
-_NO_SLOTS = np.empty(0, dtype=np.int64)
-_NO_SLOTS.flags.writeable = False
-_I64 = np.dtype(np.int64)
-
-
-class TreeNode:
-    """A node and the edge above it. Hold one only while it is locked (or right after match)."""
-
-    __slots__ = (
-        "children",
-        "depth",
-        "evict_seq",
-        "key",
-        "last_access",
-        "lock_ref",
-        "namespace",
-        "own_locks",
-        "parent",
-        "value",
-    )
-
-    def __init__(
-        self, key: bytes, value: np.ndarray, parent: TreeNode | None, depth: int, tick: int
-    ) -> None:
-        self.key = key  # the edge's token ids as int64 bytes
-        self.value = value  # the edge's slot ids, int64, read-only
-        self.parent = parent  # None for a namespace root
-        self.children: dict[bytes, TreeNode] = {}  # first page of the child's key -> child
-        self.depth = depth  # tokens from the root to the end of this edge; -1 once evicted
-        self.last_access = tick
-        self.lock_ref = 0  # locks held on this node or any node below it
-        self.own_locks = 0  # locks held on exactly this node
-        self.evict_seq = 0  # != 0 while the node is in the eviction order
-        self.namespace: Namespace = None  # meaningful on roots only
-
-    @property
-    def tokens(self) -> np.ndarray:
-        """The edge's token ids (a read-only view)."""
-        return np.frombuffer(self.key, dtype=np.int64)
-
-    def __repr__(self) -> str:
-        return f"TreeNode(depth={self.depth}, len={len(self.value)}, lock_ref={self.lock_ref})"
-
-
-class MatchResult(NamedTuple):
-    length: int  # tokens of the longest cached prefix (whole pages)
-    slots: np.ndarray  # their slot ids, int64, shape (length,)
-    node: TreeNode  # the node that ends exactly at `length` (a namespace root when 0)
-
-
-class InsertResult(NamedTuple):
-    prefix_len: int  # leading tokens that were already cached (the caller's slots are unused)
-    node: TreeNode  # the node that ends exactly at the end of the inserted whole pages
-
-
-class EvictResult(NamedTuple):
-    num_tokens: int
-    num_nodes: int
-    slots: np.ndarray  # the freed slot ids, to be returned to the pool
-
-
-class TreeStats(NamedTuple):
-    num_queries: int  # match calls
-    queried_tokens: int
-    hit_tokens: int  # tokens returned by match
-    inserted_tokens: int  # tokens that became tree-owned
-    evicted_tokens: int
-    num_splits: int
-    num_nodes: int  # namespace roots excluded
-    evictable_tokens: int
-    protected_tokens: int
+__all__ = [
+    "EvictResult",
+    "InsertResult",
+    "MatchResult",
+    "Namespace",
+    "RadixTree",
+    "TreeNode",
+    "TreeStats",
+]
 
 
 class RadixTree:
@@ -131,7 +76,7 @@ class RadixTree:
         """The root of `namespace`, created on first use."""
         root = self._roots.get(namespace)
         if root is None:
-            root = self._roots[namespace] = TreeNode(b"", _NO_SLOTS, None, 0, 0)
+            root = self._roots[namespace] = TreeNode(b"", NO_SLOTS, None, 0, 0)
             root.namespace = namespace
         return root
 
@@ -142,7 +87,7 @@ class RadixTree:
         edge it splits that edge so that the returned node ends exactly at the match. The
         caller must `lock(result.node)` before anything can evict, to keep the slots.
         """
-        ids = tokens if tokens.__class__ is np.ndarray and tokens.dtype == _I64 else _as_ids(tokens)
+        ids = tokens if tokens.__class__ is np.ndarray and tokens.dtype == I64 else _as_ids(tokens)
         buf = self._page_bytes_of(ids)
         self._clock += 1
         parts: list[np.ndarray] = []
@@ -152,7 +97,7 @@ class RadixTree:
         self._num_queries += 1
         self._queried_tokens += len(ids)
         self._hit_tokens += length
-        slots = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else _NO_SLOTS
+        slots = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else NO_SLOTS
         return MatchResult(length, slots, node)
 
     def insert(
@@ -164,8 +109,8 @@ class RadixTree:
         slots and the caller still owns (and must free) `slots[:prefix_len]` unless they are the
         tree's. The slots of the new tail become tree-owned. Touches the path like match.
         """
-        ids = tokens if tokens.__class__ is np.ndarray and tokens.dtype == _I64 else _as_ids(tokens)
-        if slots.__class__ is not np.ndarray or slots.dtype != _I64:
+        ids = tokens if tokens.__class__ is np.ndarray and tokens.dtype == I64 else _as_ids(tokens)
+        if slots.__class__ is not np.ndarray or slots.dtype != I64:
             slots = np.asarray(slots, dtype=np.int64)
         if len(slots) != len(ids):
             raise ValueError(f"{len(ids)} tokens but {len(slots)} slots")
@@ -240,7 +185,7 @@ class RadixTree:
         self.evictable_tokens -= num_freed
         self._evicted_tokens += num_freed
         self.num_nodes -= len(freed)
-        slots = freed[0] if len(freed) == 1 else np.concatenate(freed) if freed else _NO_SLOTS
+        slots = freed[0] if len(freed) == 1 else np.concatenate(freed) if freed else NO_SLOTS
         return EvictResult(num_freed, len(freed), slots)
 
     def flush(self) -> EvictResult:
@@ -265,7 +210,7 @@ class RadixTree:
         while node.parent is not None:
             parts.append(node.value)
             node = node.parent
-        return np.concatenate(parts[::-1]) if parts else _NO_SLOTS
+        return np.concatenate(parts[::-1]) if parts else NO_SLOTS
 
     def stats(self) -> TreeStats:
         return TreeStats(
@@ -328,7 +273,7 @@ class RadixTree:
 
     def _add_leaf(self, parent: TreeNode, key: bytes, slots: np.ndarray, tick: int) -> TreeNode:
         value = slots.copy()
-        value.flags.writeable = False
+        value.setflags(write=False)  # match may hand this array out without a copy
         leaf = TreeNode(key, value, parent, parent.depth + len(value), tick)
         if parent.evict_seq:
             self._order.discard(parent)  # no longer a leaf
