@@ -5,9 +5,10 @@ Not part of `make test`: it needs SGLang, installed into its own venv as the hea
 
     PYTHONPATH=. /tmp/sgvenv/bin/python -m radixlm.bench.cache_compare --json cmp.jsonl
 
-Each case replays one trace through radixlm (`cache_replay.replay`) and through the SGLang
-adapter (`--impl`, default sglang-unified: 0.5.23's Rust-core tree) with SGLang's own driver,
-alternating the two `--repeat` times and keeping each side's fastest run, so both see the same
+Each case replays one trace three ways: radixlm through `cache_replay.replay`, radixlm behind
+SGLang's adapter interface and driver (`RadixlmAdapter`), and the SGLang adapter `--impl`
+(default sglang-unified: 0.5.23's Rust-core tree) through that driver. The three alternate
+`--repeat` times (once for Mooncake) and each keeps its fastest run, so all see the same
 machine load. The workloads are SGLang's generators: branching, multiturn and unique, at
 unbounded capacity and at half the working set, plus unique with 8,000 resident leaves (the
 eviction cost) and the Mooncake trace at fixed capacities.

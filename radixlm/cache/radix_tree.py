@@ -13,9 +13,10 @@ Ownership and invariants (check_integrity verifies each one):
 - the eviction order holds exactly the unlocked leaves; evictable + protected = cached tokens;
 - different namespaces (cache salts) hang under different roots and never share a node.
 
-Keys are stored as the raw bytes of int64 token ids: following an edge is one `bytes.startswith`
-(a memcmp, no per-token Python loop and no copy), and only the single edge where a match diverges
-is searched with numpy for the first differing token.
+Keys are stored as the raw bytes of int64 token ids. A query is turned into bytes once per call;
+following an edge is then one `bytes.startswith` at an offset (a memcmp: no per-token Python loop,
+no slice copy), and only the single edge where a walk diverges is searched with numpy for the
+first differing token.
 """
 
 from __future__ import annotations
@@ -261,7 +262,8 @@ class RadixTree:
             if buf.startswith(key, pos):
                 pos += len(key)
             else:
-                child.last_access = tick  # as SGLang does: the part below the split counts as seen
+                # SGLang's LRU rule (kept so hit rates agree): the part below the split is touched
+                child.last_access = tick
                 common = self._common_len(key, buf, pos)
                 child = self._split(child, common)
                 pos = end = pos + common * TOKEN_BYTES  # the walk ends inside this edge

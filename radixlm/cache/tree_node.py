@@ -14,7 +14,7 @@ import numpy as np
 Namespace = str | None
 TOKEN_BYTES = 8  # token ids are int64
 NO_SLOTS = np.empty(0, dtype=np.int64)
-NO_SLOTS.flags.writeable = False
+NO_SLOTS.setflags(write=False)
 I64 = np.dtype(np.int64)
 
 
@@ -59,7 +59,7 @@ class TreeNode:
 
 class MatchResult(NamedTuple):
     length: int  # tokens of the longest cached prefix (whole pages)
-    slots: np.ndarray  # their slot ids, int64, shape (length,)
+    slots: np.ndarray  # their slot ids, int64, shape (length,); may be read-only
     node: TreeNode  # the node that ends exactly at `length` (a namespace root when 0)
 
 
