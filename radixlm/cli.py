@@ -11,10 +11,14 @@ import importlib
 import sys
 
 # command name -> (module, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("radixlm.demo", "replay a small chat scenario through the radix tree"),
+}
 
 # `radixlm bench <name>`
-BENCHES: dict[str, tuple[str, str]] = {}
+BENCHES: dict[str, tuple[str, str]] = {
+    "cache": ("radixlm.bench.cache_replay", "replay a request trace through the radix tree"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
