@@ -26,12 +26,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixlm.cache.prefix_cache import make_prefix_cache
+from radixlm.cache.prefix_cache import create_prefix_cache
 from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
 from radixlm.engine.runner import ModelRunner
-from radixlm.engine.sampler import Sampler
+from radixlm.detokenizer import OutputStream
+from radixlm.engine.sampler import Sampler, SamplingState, TokenLogprobs
 from radixlm.engine.scheduler import ScheduledRequest, Scheduler
-from radixlm.engine.text import TextStream
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.request import Request, RequestState, SamplingParams, StreamDelta, TokenLogprob
 
@@ -67,7 +67,7 @@ class Engine:
         self.scheduler_config = scheduler_config or SchedulerConfig()
         self.runner = ModelRunner(self.model_config, self.cache_config)
         self.tokenizer = self.runner.tokenizer
-        self.cache = make_prefix_cache(self.cache_config, self.runner.pool)
+        self.cache = create_prefix_cache(self.cache_config, self.runner.pool)
         self.scheduler = Scheduler(self.scheduler_config, self.cache)
         self.sampler = Sampler()
         self.stats = EngineStats()
@@ -93,8 +93,8 @@ class Engine:
         self._validate(prompt, params)
         samples = [Request(rid, prompt, params, namespace, index=i) for i in range(params.n)]
         for req in samples:
-            req.sampling = self.sampler.new_state(req.params, prompt, seed_offset=req.index)
-            req.text = TextStream(self.tokenizer, req.params)
+            req.sampling = SamplingState(req.params, req.prompt_ids, req.output_ids, req.index)
+            req.text = OutputStream(self.tokenizer, req.params)
         leader = samples[0]
         if self.cache.shares_prefixes:
             leader.forks = samples[1:]  # they start from the leader's prompt KV and logits
@@ -180,18 +180,15 @@ class Engine:
 
     # ---- helpers ----------------------------------------------------------------------------
     def _append_token(
-        self, req: Request, token: int, logprob: TokenLogprob | None, now: float
+        self, req: Request, token: int, logprob: TokenLogprobs | None, now: float
     ) -> StreamDelta:
         if req.first_token_time is None:
             req.first_token_time = now
         req.output_ids.append(token)
         req.all_ids.append(token)
-        req.sampling.append(token)
         if logprob is not None:
-            req.logprobs.append(logprob)
-        text, reason = req.text.append(token, len(req.output_ids), self._is_eos(req, token))
-        if reason is None and req.seq_len >= self.runner.max_context_len:
-            reason = "length"
+            req.logprobs.append(TokenLogprob(token, logprob.logprob, tuple(logprob.top)))
+        text, reason = req.text.push(token)  # the only place that decides why an output ends
         if reason is not None:
             self._retire(req)
             return self._finish(req, reason, text=text, new_tokens=[token])
@@ -268,11 +265,6 @@ class Engine:
             self.stats.prefill_tokens += extend_len
             req.num_prefilled += extend_len
         return decoding
-
-    def _is_eos(self, req: Request, token: int) -> bool:
-        if token in req.params.stop_token_ids:
-            return True
-        return not req.params.ignore_eos and token in self.tokenizer.eos_token_ids
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:

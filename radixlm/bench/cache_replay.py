@@ -1,0 +1,181 @@
+"""`radixlm bench cache`: replay a request trace through the radix tree and time each operation.
+
+Per request, exactly as ../shared/bench/sglang_tree_bench.py drives SGLang's tree (so the two
+are comparable on the same trace):
+
+    m = match(prompt)                                  hit tokens += m
+    need = aligned(len(full)) - m                      tokens the request would allocate
+    if cached + need > capacity: evict(cached + need - capacity)
+    present = insert(full)                             full = prompt + output
+    cached += aligned(len(full)) - present
+    with --inflight W: lock the inserted node, unlock it W requests later
+
+Only tree operations are timed; slot ids are made outside the timed regions. requests/s is
+requests divided by the time spent in match + insert + evict + lock/unlock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from radixlm.bench.traces import TraceRequest
+from radixlm.cache.radix_tree import RadixTree, TreeNode
+
+
+@dataclass
+class ReplayResult:
+    """Counters and per-call latencies (seconds) of one replay."""
+
+    requests: int
+    prompt_tokens: int
+    capacity_tokens: int | None
+    page_size: int
+    inflight: int
+    hit_tokens: int = 0
+    evicted_tokens: int = 0
+    overflow_events: int = 0  # evictions that could not free enough (everything was locked)
+    lock_s: float = 0.0
+    match_s: list[float] = field(default_factory=list)
+    insert_s: list[float] = field(default_factory=list)
+    evict_s: list[float] = field(default_factory=list)
+    final_cached_tokens: int = 0
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.match_s) + sum(self.insert_s) + sum(self.evict_s) + self.lock_s
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON object of `--json` (latencies in microseconds)."""
+        total = self.total_s
+        return {
+            "requests": self.requests,
+            "requests_per_s": round(self.requests / total, 1) if total else None,
+            "prompt_tokens": self.prompt_tokens,
+            "hit_tokens": self.hit_tokens,
+            "token_hit_rate": round(self.hit_tokens / max(1, self.prompt_tokens), 4),
+            "match_p50_us": _percentile_us(self.match_s, 0.5),
+            "match_p99_us": _percentile_us(self.match_s, 0.99),
+            "insert_p50_us": _percentile_us(self.insert_s, 0.5),
+            "insert_p99_us": _percentile_us(self.insert_s, 0.99),
+            "evict_calls": len(self.evict_s),
+            "evict_p50_us": _percentile_us(self.evict_s, 0.5),
+            "evict_p99_us": _percentile_us(self.evict_s, 0.99),
+            "evicted_tokens": self.evicted_tokens,
+            "overflow_events": self.overflow_events,
+            "capacity_tokens": self.capacity_tokens,
+            "page_size": self.page_size,
+            "inflight": self.inflight,
+            "total_tree_s": round(total, 4),
+            "final_cached_tokens": self.final_cached_tokens,
+        }
+
+
+def replay(
+    requests: list[TraceRequest],
+    capacity: int | None = None,
+    page_size: int = 1,
+    inflight: int = 0,
+    policy: str = "lru",
+) -> ReplayResult:
+    """Drive a fresh RadixTree with `requests` (see the module docstring); None = unbounded."""
+    tree = RadixTree(page_size=page_size, policy=policy)
+    prompt_tokens = sum(r.prompt_len for r in requests)
+    res = ReplayResult(len(requests), prompt_tokens, capacity, page_size, inflight)
+    clock = time.perf_counter
+    pinned: deque[TreeNode] = deque()
+    cached = next_slot = 0
+    gc.collect()
+    for request in requests:
+        full = request.full
+        aligned = len(full) // page_size * page_size
+        slots = np.arange(next_slot, next_slot + len(full), dtype=np.int64)
+        next_slot += len(full)
+        prompt = full[: request.prompt_len]
+        t0 = clock()
+        hit = tree.match(prompt).length
+        res.match_s.append(clock() - t0)
+        res.hit_tokens += hit
+        if capacity is not None and cached + aligned - hit > capacity:
+            t0 = clock()
+            freed = tree.evict(cached + aligned - hit - capacity).num_tokens
+            res.evict_s.append(clock() - t0)
+            res.overflow_events += freed < cached + aligned - hit - capacity
+            res.evicted_tokens += freed
+            cached -= freed
+        t0 = clock()
+        inserted = tree.insert(full, slots)
+        res.insert_s.append(clock() - t0)
+        cached += aligned - inserted.prefix_len
+        if inflight > 0:
+            t0 = clock()
+            tree.lock(inserted.node)
+            pinned.append(inserted.node)
+            if len(pinned) > inflight:
+                tree.unlock(pinned.popleft())
+            res.lock_s += clock() - t0
+    t0 = clock()
+    while pinned:
+        tree.unlock(pinned.popleft())
+    res.lock_s += clock() - t0
+    if cached != tree.num_tokens:
+        raise RuntimeError(f"replay accounting: {cached} cached, the tree holds {tree.num_tokens}")
+    res.final_cached_tokens = cached
+    return res
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", required=True, metavar="FILE", help="JSONL request trace")
+    parser.add_argument(
+        "--capacity", type=int, metavar="TOKENS", help="cache capacity in tokens (default: none)"
+    )
+    parser.add_argument("--page-size", type=int, default=1, metavar="N")
+    parser.add_argument(
+        "--inflight", type=int, default=0, metavar="N", help="keep the last N requests locked"
+    )
+    parser.add_argument("--json", metavar="OUT", help="write the results as one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from radixlm.bench.traces import TraceError, load_trace
+
+    console = Console()
+    for name in ("capacity", "page_size", "inflight"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "inflight" else 1):
+            console.print(f"[red]error:[/] --{name.replace('_', '-')} must be positive")
+            return 2
+    try:
+        requests = load_trace(args.trace)
+    except (OSError, TraceError) as e:
+        console.print(f"[red]error:[/] {e}")
+        return 2
+    summary = replay(requests, args.capacity, args.page_size, args.inflight).summary()
+    summary["trace"] = args.trace
+    table = Table(title=f"radix tree replay of {args.trace}", show_header=False)
+    for key, value in summary.items():
+        table.add_row(key, str(value))
+    console.print(table)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1)
+            f.write("\n")
+    return 0
+
+
+def _percentile_us(seconds: list[float], q: float) -> float:
+    """The q-quantile as sglang_tree_bench computes it (sorted[int(q * n)]), in microseconds."""
+    if not seconds:
+        return 0.0
+    ordered = sorted(seconds)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6, 1)

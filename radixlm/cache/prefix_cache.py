@@ -1,0 +1,296 @@
+"""The prefix cache: the radix tree plus the KV slot pool, as running requests use them.
+
+It keeps the slot account of DESIGN.md: every slot is free (in the pool), tree-owned (a node's
+value) or in flight (allocated to a request, not inserted), and
+
+    num_free + num_tree_tokens + num_in_flight == capacity
+
+after every call; `check_accounting()` verifies it against an independently kept in-flight
+counter. A request's life, as the engine drives it:
+
+    m = cache.match(prompt[:-1], ns); cache.lock(m.node)      # reuse; pin the prefix
+    new = cache.alloc(n)                                      # in flight; may evict
+    c = cache.commit(tokens, slots, ns, node)                 # after each prefill chunk / finish
+    cache.release(c.node, c.slots[c.cached_len:])             # finish or abort
+
+`RadixCache` shares prefixes; `NoCache` has the same interface and never reuses (the ablation).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import NamedTuple, Protocol
+
+import numpy as np
+
+from radixlm.cache.kv_pool import OutOfSlotsError
+from radixlm.cache.radix_tree import MatchResult, Namespace, RadixTree, TreeNode
+from radixlm.config import CacheConfig
+
+_NO_SLOTS = np.empty(0, dtype=np.int64)
+
+
+class SlotPool(Protocol):
+    """What the cache needs of a pool (KVPool and SlotAllocator both fit)."""
+
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def num_free(self) -> int: ...
+    def alloc(self, n: int) -> np.ndarray: ...
+    def free(self, slots: np.ndarray) -> None: ...
+
+
+class CommitResult(NamedTuple):
+    node: TreeNode  # now locked for the request (the lock on the old node was released)
+    slots: np.ndarray  # the request's slots from now on: tree slots, then its in-flight tail
+    cached_len: int  # leading tokens that are tree-owned (whole pages)
+
+
+class CacheStats(NamedTuple):
+    num_queries: int
+    queried_tokens: int
+    hit_tokens: int
+    inserted_tokens: int
+    evicted_tokens: int
+    num_nodes: int
+    num_free: int
+    num_evictable: int
+    num_protected: int
+    num_in_flight: int
+    capacity: int
+
+
+class PrefixCache(ABC):
+    """KV slots for requests, shared through cached prefixes. One engine thread calls it."""
+
+    def __init__(self, pool: SlotPool) -> None:
+        self.pool = pool
+        self.num_in_flight = 0  # slots allocated to requests and not yet tree-owned
+
+    @abstractmethod
+    def match(self, tokens: np.ndarray, namespace: Namespace = None) -> MatchResult:
+        """The longest cached prefix (whole pages). May split a node; changes no slot's owner.
+        The caller must lock `result.node` before the next alloc/evict to keep the slots."""
+
+    @abstractmethod
+    def lock(self, node: TreeNode) -> None:
+        """Pin `node` and its ancestors against eviction."""
+
+    @abstractmethod
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one `lock(node)`; raises ValueError if `node` holds no lock."""
+
+    @abstractmethod
+    def commit(
+        self, tokens: np.ndarray, slots: np.ndarray, namespace: Namespace, node: TreeNode
+    ) -> CommitResult:
+        """Hand the whole pages of a request's computed `tokens` to the tree.
+
+        The caller holds a lock on `node`, whose path is `tokens[:node.depth]` with exactly
+        `slots[:node.depth]`; `slots[node.depth:]` are the request's in flight. Positions the
+        tree already held with other slots (a concurrent request computed them first) are
+        freed here. Locks the returned node and unlocks `node`.
+        """
+
+    @abstractmethod
+    def release(self, node: TreeNode, in_flight_slots: np.ndarray) -> None:
+        """The request is done (finished after its last commit, or aborted): unlock `node` and
+        free the slots it still holds in flight."""
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` tree-owned slots if that many are evictable; returns how
+        many were freed (whole nodes, so possibly more)."""
+
+    @property
+    @abstractmethod
+    def num_evictable(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_protected(self) -> int: ...
+
+    @property
+    def num_tree_tokens(self) -> int:
+        return self.num_evictable + self.num_protected
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.capacity
+
+    def alloc(self, n: int) -> np.ndarray:
+        """`n` slots in flight for a request, evicting unlocked leaves (LRU) when the free list
+        is short. Raises OutOfSlotsError, changing nothing, if free + evictable < n."""
+        short = n - self.pool.num_free
+        if short > 0:
+            if short > self.num_evictable:
+                raise OutOfSlotsError(n, self.pool.num_free + self.num_evictable)
+            self.evict(short)
+        slots = self.pool.alloc(n)
+        self.num_in_flight += n
+        return slots
+
+    def flush(self) -> int:
+        """Evict every unlocked node; returns the tokens freed."""
+        return self.evict(self.num_evictable)
+
+    def check_accounting(self) -> None:
+        """Raise IntegrityError unless free + tree-owned + in flight == capacity."""
+        from radixlm.cache.integrity import IntegrityError
+
+        total = self.num_free + self.num_tree_tokens + self.num_in_flight
+        if self.num_in_flight < 0 or total != self.capacity:
+            raise IntegrityError(
+                f"accounting: free {self.num_free} + tree {self.num_tree_tokens} + in flight "
+                f"{self.num_in_flight} = {total} != capacity {self.capacity}"
+            )
+
+    def check_integrity(self) -> None:
+        """Every invariant of the tree, and the slot account."""
+        self.check_accounting()
+
+    @abstractmethod
+    def stats(self) -> CacheStats: ...
+
+    def _free_in_flight(self, slots: np.ndarray) -> None:
+        self.pool.free(slots)
+        self.num_in_flight -= len(slots)
+
+
+class RadixCache(PrefixCache):
+    """Prefix sharing through a RadixTree (RadixAttention)."""
+
+    def __init__(self, pool: SlotPool, page_size: int = 1, policy: str = "lru") -> None:
+        super().__init__(pool)
+        self.tree = RadixTree(page_size=page_size, policy=policy)
+
+    def match(self, tokens: np.ndarray, namespace: Namespace = None) -> MatchResult:
+        return self.tree.match(tokens, namespace)
+
+    def lock(self, node: TreeNode) -> None:
+        self.tree.lock(node)
+
+    def unlock(self, node: TreeNode) -> None:
+        self.tree.unlock(node)
+
+    def commit(
+        self, tokens: np.ndarray, slots: np.ndarray, namespace: Namespace, node: TreeNode
+    ) -> CommitResult:
+        slots = np.asarray(slots, dtype=np.int64)
+        if len(tokens) != len(slots):
+            raise ValueError(f"{len(tokens)} tokens but {len(slots)} slots")
+        tree = self.tree
+        if not tree.ends_path(node, tokens, namespace):
+            raise ValueError(f"{node!r} does not end a prefix of `tokens` in {namespace!r}")
+        held = node.depth
+        cached_len = len(tokens) // tree.page_size * tree.page_size
+        inserted = tree.insert(tokens[:cached_len], slots[:cached_len], namespace)
+        prefix_len = inserted.prefix_len
+        tree.lock(inserted.node)
+        tree.unlock(node)
+        # slots[prefix_len:cached_len] became tree-owned; slots[held:prefix_len] are duplicates
+        self.num_in_flight -= cached_len - prefix_len
+        if prefix_len > held:
+            self._free_in_flight(slots[held:prefix_len])
+            # the node where the already-cached part ends: the new leaf's parent, if one was added
+            anchor = inserted.node if inserted.node.depth == prefix_len else inserted.node.parent
+            assert anchor is not None
+            slots = np.concatenate([tree.path_slots(anchor), slots[prefix_len:]])
+        return CommitResult(inserted.node, slots, cached_len)
+
+    def release(self, node: TreeNode, in_flight_slots: np.ndarray) -> None:
+        self.tree.unlock(node)
+        self._free_in_flight(np.asarray(in_flight_slots, dtype=np.int64))
+
+    def evict(self, num_tokens: int) -> int:
+        evicted = self.tree.evict(num_tokens)
+        self.pool.free(evicted.slots)
+        return evicted.num_tokens
+
+    @property
+    def num_evictable(self) -> int:
+        return self.tree.evictable_tokens
+
+    @property
+    def num_protected(self) -> int:
+        return self.tree.protected_tokens
+
+    def check_integrity(self) -> None:
+        self.tree.check_integrity()
+        self.check_accounting()
+
+    def stats(self) -> CacheStats:
+        s = self.tree.stats()
+        return CacheStats(
+            s.num_queries,
+            s.queried_tokens,
+            s.hit_tokens,
+            s.inserted_tokens,
+            s.evicted_tokens,
+            s.num_nodes,
+            self.num_free,
+            self.num_evictable,
+            self.num_protected,
+            self.num_in_flight,
+            self.capacity,
+        )
+
+
+class NoCache(PrefixCache):
+    """The same interface with no sharing: match finds nothing, every slot stays in flight
+    until `release`. Serves the cache-off ablation."""
+
+    def __init__(self, pool: SlotPool) -> None:
+        super().__init__(pool)
+        self._root = RadixTree().root()  # the node every match returns; locks are no-ops
+        self._num_queries = self._queried_tokens = 0
+
+    def match(self, tokens: np.ndarray, namespace: Namespace = None) -> MatchResult:
+        self._num_queries += 1
+        self._queried_tokens += len(tokens)
+        return MatchResult(0, _NO_SLOTS, self._root)
+
+    def lock(self, node: TreeNode) -> None:
+        pass
+
+    def unlock(self, node: TreeNode) -> None:
+        pass
+
+    def commit(
+        self, tokens: np.ndarray, slots: np.ndarray, namespace: Namespace, node: TreeNode
+    ) -> CommitResult:
+        if len(tokens) != len(slots):
+            raise ValueError(f"{len(tokens)} tokens but {len(slots)} slots")
+        return CommitResult(self._root, slots, 0)
+
+    def release(self, node: TreeNode, in_flight_slots: np.ndarray) -> None:
+        self._free_in_flight(np.asarray(in_flight_slots, dtype=np.int64))
+
+    def evict(self, num_tokens: int) -> int:
+        return 0
+
+    @property
+    def num_evictable(self) -> int:
+        return 0
+
+    @property
+    def num_protected(self) -> int:
+        return 0
+
+    def stats(self) -> CacheStats:
+        return CacheStats(
+            self._num_queries, self._queried_tokens, 0, 0, 0, 0,
+            self.num_free, 0, 0, self.num_in_flight, self.capacity,
+        )  # fmt: skip
+
+
+def create_prefix_cache(config: CacheConfig, pool: SlotPool) -> PrefixCache:
+    """The cache named by `config.cache` ("radix" or "none") over `pool`."""
+    if config.cache == "radix":
+        return RadixCache(pool, page_size=config.page_size)
+    return NoCache(pool)

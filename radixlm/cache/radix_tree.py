@@ -1,0 +1,325 @@
+"""The radix tree over token ids that owns the KV cache (RadixAttention).
+
+Each node is the lower end of an edge: `key` holds the edge's token ids and `value` their KV slot
+ids, so the path from a namespace root to a node spells a cached sequence and owns its slots.
+
+    root ── [sys prompt ........] ── [python repo ...] ─┬─ [auth code ..] ── [Fix this bug]
+                                                         └─ [db code ....] ── [Optimize ...]
+
+Ownership and invariants (check_integrity verifies each one):
+- every tree-owned slot is in exactly one node's `value`; edges are whole pages;
+- children are keyed by the first page of their edge, so siblings never share a first page;
+- `lock_ref` counts the locks held on the node or below it; a locked node is never evicted;
+- the eviction order holds exactly the unlocked leaves; evictable + protected = cached tokens;
+- different namespaces (cache salts) hang under different roots and never share a node.
+
+Keys are stored as the raw bytes of int64 token ids. A query is turned into bytes once per call;
+following an edge is then one `bytes.startswith` at an offset (a memcmp: no per-token Python loop,
+no slice copy), and only the single edge where a walk diverges is searched with numpy for the
+first differing token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from radixlm.cache.eviction import EvictionOrder, EvictionPolicy, make_policy
+from radixlm.cache.tree_node import (
+    I64,
+    NO_SLOTS,
+    TOKEN_BYTES,
+    EvictResult,
+    InsertResult,
+    MatchResult,
+    Namespace,
+    TreeNode,
+    TreeStats,
+)
+
+__all__ = [
+    "EvictResult",
+    "InsertResult",
+    "MatchResult",
+    "Namespace",
+    "RadixTree",
+    "TreeNode",
+    "TreeStats",
+]
+
+
+class RadixTree:
+    """A radix tree of token ids whose nodes own KV slot ids, with LRU (pluggable) eviction."""
+
+    def __init__(self, page_size: int = 1, policy: str | EvictionPolicy = "lru") -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self._page_bytes = page_size * TOKEN_BYTES
+        self._roots: dict[Namespace, TreeNode] = {}
+        self._order = EvictionOrder(make_policy(policy))
+        self._clock = 0  # ticks once per match/insert; the LRU time
+        self.evictable_tokens = 0  # tokens in unlocked nodes
+        self.protected_tokens = 0  # tokens in locked nodes
+        self.num_nodes = 0
+        self._num_queries = self._queried_tokens = self._hit_tokens = 0
+        self._inserted_tokens = self._evicted_tokens = self._num_splits = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tree-owned tokens (= slots)."""
+        return self.evictable_tokens + self.protected_tokens
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._order.policy
+
+    def root(self, namespace: Namespace = None) -> TreeNode:
+        """The root of `namespace`, created on first use."""
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = TreeNode(b"", NO_SLOTS, None, 0, 0)
+            root.namespace = namespace
+        return root
+
+    def match(self, tokens: np.ndarray | list[int], namespace: Namespace = None) -> MatchResult:
+        """The longest cached prefix of `tokens` in whole pages.
+
+        Mutates: touches (LRU) every node on the matched path; when the match ends inside an
+        edge it splits that edge so that the returned node ends exactly at the match. The
+        caller must `lock(result.node)` before anything can evict, to keep the slots.
+        """
+        ids = tokens if tokens.__class__ is np.ndarray and tokens.dtype == I64 else _as_ids(tokens)
+        buf = self._page_bytes_of(ids)
+        self._clock += 1
+        parts: list[np.ndarray] = []
+        root = self._roots.get(namespace) or self.root(namespace)
+        node, _ = self._walk(root, buf, self._clock, parts)
+        length = node.depth
+        self._num_queries += 1
+        self._queried_tokens += len(ids)
+        self._hit_tokens += length
+        slots = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else NO_SLOTS
+        return MatchResult(length, slots, node)
+
+    def insert(
+        self, tokens: np.ndarray | list[int], slots: np.ndarray, namespace: Namespace = None
+    ) -> InsertResult:
+        """Add the whole pages of `tokens` with their `slots` (same length as `tokens`).
+
+        Returns how many leading tokens were already cached: for those the tree keeps its own
+        slots and the caller still owns (and must free) `slots[:prefix_len]` unless they are the
+        tree's. The slots of the new tail become tree-owned. Touches the path like match.
+        """
+        ids = tokens if tokens.__class__ is np.ndarray and tokens.dtype == I64 else _as_ids(tokens)
+        if slots.__class__ is not np.ndarray or slots.dtype != I64:
+            slots = np.asarray(slots, dtype=np.int64)
+        if len(slots) != len(ids):
+            raise ValueError(f"{len(ids)} tokens but {len(slots)} slots")
+        buf = self._page_bytes_of(ids)
+        self._clock += 1
+        tick = self._clock
+        root = self._roots.get(namespace) or self.root(namespace)
+        node, pos = self._walk(root, buf, tick, None)
+        prefix_len = pos // TOKEN_BYTES
+        if pos < len(buf):
+            end = len(buf) // TOKEN_BYTES
+            node = self._add_leaf(node, buf[pos:], slots[prefix_len:end], tick)
+        return InsertResult(prefix_len, node)
+
+    def lock(self, node: TreeNode) -> None:
+        """Pin `node` and its path to the root against eviction (a root needs no lock)."""
+        if node.parent is None:
+            return
+        if node.depth < 0:
+            raise ValueError("cannot lock an evicted node")
+        node.own_locks += 1
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                size = len(node.value)
+                self.evictable_tokens -= size
+                self.protected_tokens += size
+                if node.evict_seq:
+                    self._order.discard(node)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        """Release one `lock(node)`. Raises ValueError if `node` holds no lock of its own."""
+        if node.parent is None:
+            return
+        if node.own_locks <= 0:
+            raise ValueError(f"unlock of {node!r}, which holds no lock")
+        node.own_locks -= 1
+        while node.parent is not None:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                size = len(node.value)
+                self.evictable_tokens += size
+                self.protected_tokens -= size
+                if not node.children:
+                    self._order.add(node)
+            node = node.parent
+
+    def evict(self, num_tokens: int) -> EvictResult:
+        """Remove unlocked leaves in policy order until `num_tokens` are freed or none is left.
+
+        A parent left as an unlocked leaf becomes a candidate. Returns the freed slots, which
+        the caller gives back to the pool. O(log n) per evicted node.
+        """
+        freed: list[np.ndarray] = []
+        num_freed = 0
+        order, page_b = self._order, self._page_bytes
+        while num_freed < num_tokens and order.num_members:
+            node = order.pop()
+            parent = node.parent
+            assert parent is not None  # roots are never members
+            del parent.children[node.key[:page_b]]
+            size = len(node.value)
+            num_freed += size
+            freed.append(node.value)
+            node.depth = -1
+            if not parent.children and parent.lock_ref == 0:
+                if parent.parent is not None:
+                    order.add(parent)
+                elif parent.namespace is not None:
+                    del self._roots[parent.namespace]  # forget an empty tenant root
+        self.evictable_tokens -= num_freed
+        self._evicted_tokens += num_freed
+        self.num_nodes -= len(freed)
+        slots = freed[0] if len(freed) == 1 else np.concatenate(freed) if freed else NO_SLOTS
+        return EvictResult(num_freed, len(freed), slots)
+
+    def flush(self) -> EvictResult:
+        """Evict every unlocked node."""
+        return self.evict(self.evictable_tokens)
+
+    def ends_path(self, node: TreeNode, tokens: np.ndarray, namespace: Namespace = None) -> bool:
+        """Whether `node` hangs in `namespace` and its path spells `tokens[:node.depth]`."""
+        ids = _as_ids(tokens)
+        if node.depth < 0 or node.depth > len(ids):
+            return False
+        buf = ids[: node.depth].tobytes()
+        while node.parent is not None:
+            if not buf.startswith(node.key, (node.depth - len(node.value)) * TOKEN_BYTES):
+                return False
+            node = node.parent
+        return node.namespace == namespace
+
+    def path_slots(self, node: TreeNode) -> np.ndarray:
+        """The slot ids of the whole path from the root down to `node` (node.depth of them)."""
+        parts: list[np.ndarray] = []
+        while node.parent is not None:
+            parts.append(node.value)
+            node = node.parent
+        return np.concatenate(parts[::-1]) if parts else NO_SLOTS
+
+    def stats(self) -> TreeStats:
+        return TreeStats(
+            self._num_queries,
+            self._queried_tokens,
+            self._hit_tokens,
+            self._inserted_tokens,
+            self._evicted_tokens,
+            self._num_splits,
+            self.num_nodes,
+            self.evictable_tokens,
+            self.protected_tokens,
+        )
+
+    def roots(self) -> dict[Namespace, TreeNode]:
+        """The namespace roots (a copy of the mapping)."""
+        return dict(self._roots)
+
+    def eviction_order(self) -> EvictionOrder:
+        return self._order
+
+    def check_integrity(self) -> None:
+        """Verify every invariant; raises IntegrityError naming the first broken one."""
+        from radixlm.cache.integrity import check_tree
+
+        check_tree(self)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _page_bytes_of(self, ids: np.ndarray) -> bytes:
+        """The whole pages of `ids` as bytes (the form keys are compared in)."""
+        if self.page_size == 1:
+            return ids.tobytes()
+        return ids[: len(ids) // self.page_size * self.page_size].tobytes()
+
+    def _walk(
+        self, node: TreeNode, buf: bytes, tick: int, parts: list[np.ndarray] | None
+    ) -> tuple[TreeNode, int]:
+        """Follow `buf` (int64 bytes, whole pages) down from `node`, touching each node passed
+        and collecting its slots into `parts`. Splits the edge where the walk diverges inside
+        one. Returns the deepest node reached and the byte offset in `buf` where it ends."""
+        pos, end, page_b = 0, len(buf), self._page_bytes
+        while pos < end:
+            child = node.children.get(buf[pos : pos + page_b])
+            if child is None:
+                break
+            key = child.key
+            if buf.startswith(key, pos):
+                pos += len(key)
+            else:
+                # SGLang's LRU rule (kept so hit rates agree): the part below the split is touched
+                child.last_access = tick
+                common = self._common_len(key, buf, pos)
+                child = self._split(child, common)
+                pos = end = pos + common * TOKEN_BYTES  # the walk ends inside this edge
+            child.last_access = tick
+            if parts is not None:
+                parts.append(child.value)
+            node = child
+        return node, pos
+
+    def _add_leaf(self, parent: TreeNode, key: bytes, slots: np.ndarray, tick: int) -> TreeNode:
+        value = slots.copy()
+        value.setflags(write=False)  # match may hand this array out without a copy
+        leaf = TreeNode(key, value, parent, parent.depth + len(value), tick)
+        if parent.evict_seq:
+            self._order.discard(parent)  # no longer a leaf
+        parent.children[key[: self._page_bytes]] = leaf
+        self._order.add(leaf)
+        self.evictable_tokens += len(value)
+        self._inserted_tokens += len(value)
+        self.num_nodes += 1
+        return leaf
+
+    def _split(self, child: TreeNode, k: int) -> TreeNode:
+        """Cut `child`'s edge after `k` tokens. `child` keeps the lower part, its children and
+        its identity (a held reference still ends where it did); a new parent takes the upper
+        part and inherits the lock count. Slot arrays are divided, never copied."""
+        parent = child.parent
+        assert parent is not None
+        cut = k * TOKEN_BYTES
+        upper = TreeNode(
+            child.key[:cut], child.value[:k], parent, child.depth - len(child.value) + k, 0
+        )
+        upper.last_access = child.last_access
+        upper.lock_ref = child.lock_ref
+        parent.children[child.key[: self._page_bytes]] = upper
+        child.key = child.key[cut:]
+        child.value = child.value[k:]
+        child.parent = upper
+        upper.children[child.key[: self._page_bytes]] = child
+        self.num_nodes += 1
+        self._num_splits += 1
+        return upper
+
+    def _common_len(self, key: bytes, buf: bytes, pos: int) -> int:
+        """Whole-page tokens that `key` shares with `buf[pos:]`; at least one page (the first
+        page is the child's dict key). Only called on the one edge where a walk diverges."""
+        n = min(len(key), len(buf) - pos) // TOKEN_BYTES
+        a = np.frombuffer(key, dtype=np.int64, count=n)
+        b = np.frombuffer(buf, dtype=np.int64, count=n, offset=pos)
+        diff = a != b
+        first = int(diff.argmax())
+        common = first if diff[first] else n
+        return common // self.page_size * self.page_size
+
+
+def _as_ids(tokens: np.ndarray | list[int]) -> np.ndarray:
+    if isinstance(tokens, np.ndarray) and tokens.dtype == np.int64:
+        return tokens
+    return np.asarray(tokens, dtype=np.int64)

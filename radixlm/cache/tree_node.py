@@ -1,0 +1,86 @@
+"""A node of the radix tree, and the NamedTuple results of the tree's operations.
+
+`TreeNode` is the lower end of an edge: `key` holds the edge's token ids (int64 bytes) and
+`value` their KV slot ids. Callers only hold nodes that they locked (or got from the match
+they are about to lock); `depth` is -1 once a node was evicted.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+Namespace = str | None
+TOKEN_BYTES = 8  # token ids are int64
+NO_SLOTS = np.empty(0, dtype=np.int64)
+NO_SLOTS.setflags(write=False)
+I64 = np.dtype(np.int64)
+
+
+class TreeNode:
+    """A node and the edge above it. Hold one only while it is locked (or right after match)."""
+
+    __slots__ = (
+        "children",
+        "depth",
+        "evict_seq",
+        "key",
+        "last_access",
+        "lock_ref",
+        "namespace",
+        "own_locks",
+        "parent",
+        "value",
+    )
+
+    def __init__(
+        self, key: bytes, value: np.ndarray, parent: TreeNode | None, depth: int, tick: int
+    ) -> None:
+        self.key = key  # the edge's token ids as int64 bytes
+        self.value = value  # the edge's slot ids, int64, read-only
+        self.parent = parent  # None for a namespace root
+        self.children: dict[bytes, TreeNode] = {}  # first page of the child's key -> child
+        self.depth = depth  # tokens from the root to the end of this edge; -1 once evicted
+        self.last_access = tick
+        self.lock_ref = 0  # locks held on this node or any node below it
+        self.own_locks = 0  # locks held on exactly this node
+        self.evict_seq = 0  # != 0 while the node is in the eviction order
+        self.namespace: Namespace = None  # meaningful on roots only
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The edge's token ids (a read-only view)."""
+        return np.frombuffer(self.key, dtype=np.int64)
+
+    def __repr__(self) -> str:
+        return f"TreeNode(depth={self.depth}, len={len(self.value)}, lock_ref={self.lock_ref})"
+
+
+class MatchResult(NamedTuple):
+    length: int  # tokens of the longest cached prefix (whole pages)
+    slots: np.ndarray  # their slot ids, int64, shape (length,); may be read-only
+    node: TreeNode  # the node that ends exactly at `length` (a namespace root when 0)
+
+
+class InsertResult(NamedTuple):
+    prefix_len: int  # leading tokens that were already cached (the caller's slots are unused)
+    node: TreeNode  # the node that ends exactly at the end of the inserted whole pages
+
+
+class EvictResult(NamedTuple):
+    num_tokens: int
+    num_nodes: int
+    slots: np.ndarray  # the freed slot ids, to be returned to the pool
+
+
+class TreeStats(NamedTuple):
+    num_queries: int  # match calls
+    queried_tokens: int
+    hit_tokens: int  # tokens returned by match
+    inserted_tokens: int  # tokens that became tree-owned
+    evicted_tokens: int
+    num_splits: int
+    num_nodes: int  # namespace roots excluded
+    evictable_tokens: int
+    protected_tokens: int
