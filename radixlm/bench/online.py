@@ -17,49 +17,52 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import random
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
+
+from radixlm.bench.workloads import WORKLOADS, Workload, WorkloadProgress, ideal_prefill_tokens
 
 DEFAULT_SETTLE_S = 30.0  # how long the server gets to return every slot after the load
 
 
-@dataclass(frozen=True)
-class PlannedRequest:
-    rid: str
-    prompt_ids: list[int]  # with a parent: the tokens appended after the parent's output
-    output_len: int
-    parent: str | None = None
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from radixlm.bench.online_plan import add_workload_arguments
-
     parser.add_argument("--base-url", required=True, help="the server, without /v1")
     parser.add_argument("--model", default=None, help="the model id (default: /v1/models)")
     parser.add_argument("--api-key", default=None)
-    add_workload_arguments(parser)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="multiturn")
+    parser.add_argument(
+        "--param", action="append", default=[], metavar="KEY=INT",
+        help="a workload parameter, e.g. --param num_conversations=16 (repeatable)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--token-range", default="1000:30000", metavar="LO:HI",
+        help="prompt token ids are drawn from [LO, HI): keep special tokens out",
+    )  # fmt: skip
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight at most")
     parser.add_argument("--rate", type=float, default=None, help="arrivals per second (Poisson)")
     parser.add_argument(
         "--disconnect-frac", type=float, default=0.0, help="share of clients hanging up mid-way"
     )
-    parser.add_argument("--seed", type=int, default=0, help="arrivals and disconnects")
+    parser.add_argument("--seed", type=int, default=0, help="workload, arrivals and disconnects")
     parser.add_argument("--no-ignore-eos", action="store_true", help="let the model stop early")
     parser.add_argument("--json", default=None, metavar="OUT", help="write the results here")
 
 
 def run(args: argparse.Namespace) -> int:
-    from radixlm.bench.online_plan import plan_from_args
+    from radixlm.bench.online_stats import format_summary
 
-    if args.concurrency < 1 or not 0.0 <= args.disconnect_frac <= 1.0:
-        print("--concurrency must be >= 1 and --disconnect-frac in [0, 1]", file=sys.stderr)
+    try:
+        if args.concurrency < 1 or not 0.0 <= args.disconnect_frac <= 1.0:
+            raise ValueError("--concurrency must be >= 1 and --disconnect-frac in [0, 1]")
+        workload = workload_from_args(args)
+    except ValueError as exc:
+        print(f"radixlm bench serve: {exc}", file=sys.stderr)
         return 2
-    plan = plan_from_args(args)
-    result = asyncio.run(run_bench(args, plan))
+    result = asyncio.run(run_bench(args, workload))
     print(format_summary(result["summary"]))
     if args.json:
         with open(args.json, "w") as f:
@@ -68,85 +71,80 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def run_bench(args: argparse.Namespace, plan: list[PlannedRequest]) -> dict[str, Any]:
+def workload_from_args(args: argparse.Namespace) -> Workload:
+    """The workload named by --workload with its --param values; ValueError names a bad one."""
+    make = WORKLOADS[args.workload]
+    accepted = set(inspect.signature(make).parameters) - {"token_range", "seed"}
+    params: dict[str, int] = {}
+    for item in args.param:
+        key, _, value = item.partition("=")
+        if key not in accepted or not value.lstrip("-").isdigit():
+            raise ValueError(f"--param {item!r}: {args.workload} takes {sorted(accepted)}=INT")
+        params[key] = int(value)
+    lo, _, hi = args.token_range.partition(":")
+    if not (lo.isdigit() and hi.isdigit() and int(lo) < int(hi)):
+        raise ValueError(f"--token-range must be LO:HI with LO < HI, got {args.token_range!r}")
+    return make(token_range=range(int(lo), int(hi)), seed=args.seed, **params)
+
+
+async def run_bench(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
+    """Send the workload (children once their parent is done); return config, summary, cache."""
     import httpx
 
-    from radixlm.bench.online_client import ClientOptions, stream_completion
+    from radixlm.bench.online_client import ClientOptions, RequestRecord, stream_completion
     from radixlm.bench.online_stats import summarize
 
     base = args.base_url.rstrip("/").removesuffix("/v1")
+    requests = workload.requests
     limits = httpx.Limits(max_connections=args.concurrency + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         model = args.model or await _served_model(client, base, args.api_key)
         options = ClientOptions(base, model, args.api_key, ignore_eos=not args.no_ignore_eos)
         rng = random.Random(args.seed)
-        arrivals = _arrivals(len(plan), args.rate, rng)
+        arrivals = _arrivals(len(requests), args.rate, rng)
         disconnects = [
             rng.randint(1, max(1, r.output_len - 1))
             if rng.random() < args.disconnect_frac
             else None
-            for r in plan
+            for r in requests
         ]
-        done = {r.rid: asyncio.Event() for r in plan}
-        records: dict[str, Any] = {}
-        prompts: dict[str, list[int]] = {}
+        progress = WorkloadProgress(workload)
+        done = [asyncio.Event() for _ in requests]
+        records: list[RequestRecord | None] = [None] * len(requests)
         slots = asyncio.Semaphore(args.concurrency)
         start = time.perf_counter()
 
-        async def one(i: int, req: PlannedRequest) -> None:
+        async def one(i: int) -> None:
             await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
-            if req.parent is not None:
-                await done[req.parent].wait()
-                parent = records[req.parent]
-                prompt = prompts[req.parent] + parent.output_ids + req.prompt_ids
-            else:
-                prompt = list(req.prompt_ids)
-            prompts[req.rid] = prompt
+            parent = requests[i].parent
+            if parent is not None:
+                await done[parent].wait()
+            prompt = progress.prompt(i)
             async with slots:
-                records[req.rid] = await stream_completion(
-                    client, options, req.rid, prompt, req.output_len, disconnects[i]
+                record = await stream_completion(
+                    client, options, str(i), prompt, requests[i].output_len, disconnects[i]
                 )
-            done[req.rid].set()
+            records[i] = record
+            progress.finish(i, record.output_ids)
+            done[i].set()
 
-        await asyncio.gather(*(one(i, r) for i, r in enumerate(plan)))
+        await asyncio.gather(*(one(i) for i in range(len(requests))))
         duration = time.perf_counter() - start
         cache = await _settled_cache(client, base, args.api_key)
-    ordered = [records[r.rid] for r in plan]
-    return {
-        "config": {
-            "base_url": base,
-            "model": model,
-            "workload": args.workload,
-            "concurrency": args.concurrency,
-            "rate": args.rate,
-            "disconnect_frac": args.disconnect_frac,
-            "seed": args.seed,
-            "num_requests": len(plan),
-        },
-        "summary": summarize(ordered, duration, cache),
-        "server_cache": cache,
+    summary = summarize([r for r in records if r is not None], duration, cache)
+    summary["ideal_prefill_tokens"] = ideal_prefill_tokens(progress.completed())
+    config = {
+        "base_url": base,
+        "model": model,
+        "workload": workload.name,
+        "params": args.param,
+        "concurrency": args.concurrency,
+        "rate": args.rate,
+        "disconnect_frac": args.disconnect_frac,
+        "seed": args.seed,
+        "num_requests": len(requests),
     }
-
-
-def format_summary(s: dict[str, Any]) -> str:
-    lines = [
-        f"requests      {s['num_requests']} ({s['num_ok']} ok, {s['num_disconnected']} hung up "
-        f"on purpose, {s['num_errors']} errors, {s['num_5xx']} 5xx)",
-        f"duration      {s['duration_s']:.2f} s",
-        f"throughput    {s['output_tok_s']:.1f} output tok/s, {s['request_s']:.2f} req/s",
-        f"TTFT          p50 {s['ttft_p50_ms']:.1f} ms   p99 {s['ttft_p99_ms']:.1f} ms",
-        f"ITL           p50 {s['itl_p50_ms']:.1f} ms   p99 {s['itl_p99_ms']:.1f} ms",
-        f"cached        {s['cached_tokens']} of {s['prompt_tokens']} prompt tokens "
-        f"(completed requests: {s['hit_rate']:.1%})",
-    ]
-    if s.get("errors_by_status"):
-        lines.append(f"errors        {s['errors_by_status']}")
-    if s.get("leaked_slots") is not None:
-        lines.append(
-            f"server slots  {s['leaked_slots']} leaked, accounting "
-            f"{'ok' if s['accounting_ok'] else 'BROKEN'} (free + tree + in flight == capacity)"
-        )
-    return "\n".join(lines)
+    return {"config": config, "summary": summary, "server_cache": cache}
 
 
 # ---- helpers --------------------------------------------------------------------------------

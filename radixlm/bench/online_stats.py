@@ -61,3 +61,25 @@ def _percentiles(name: str, seconds: Sequence[float]) -> dict[str, float]:
         f"{name}_p99_ms": float(np.percentile(ms, 99)),
         f"{name}_mean_ms": float(ms.mean()),
     }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The summary as a few aligned lines for the terminal."""
+    lines = [
+        f"requests      {s['num_requests']} ({s['num_ok']} ok, {s['num_disconnected']} hung up "
+        f"on purpose, {s['num_errors']} errors, {s['num_5xx']} 5xx)",
+        f"duration      {s['duration_s']:.2f} s",
+        f"throughput    {s['output_tok_s']:.1f} output tok/s, {s['request_s']:.2f} req/s",
+        f"TTFT          p50 {s['ttft_p50_ms']:.1f} ms   p99 {s['ttft_p99_ms']:.1f} ms",
+        f"ITL           p50 {s['itl_p50_ms']:.1f} ms   p99 {s['itl_p99_ms']:.1f} ms",
+        f"cached        {s['cached_tokens']} of {s['prompt_tokens']} prompt tokens of completed "
+        f"requests ({s['hit_rate']:.1%})",
+    ]
+    if s.get("errors_by_status"):
+        lines.append(f"errors        {s['errors_by_status']} {s['first_errors']}")
+    if s.get("leaked_slots") is not None:
+        lines.append(
+            f"server slots  {s['leaked_slots']} in flight after the run, accounting "
+            f"{'ok' if s['accounting_ok'] else 'BROKEN'} (free + tree + in flight == capacity)"
+        )
+    return "\n".join(lines)
