@@ -5,7 +5,8 @@
         OpenAI(base_url=server.url + "/v1", api_key="k")...
         server.wait_idle()                           # /v1/cache once no request holds a slot
 
-Nothing is downloaded: the tokenizer is 256 byte tokens plus ChatML specials, built in memory.
+Nothing is downloaded: the tokenizer is 256 byte tokens (byte b is token b) plus ChatML specials,
+built in memory.
 """
 
 from __future__ import annotations
@@ -42,8 +43,7 @@ def save_tiny_chat_model(
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    vocab = {ch: byte for byte, ch in _byte_to_char().items()}  # byte b is token b
     vocab.update({tok: 256 + i for i, tok in enumerate(SPECIALS)})
     rust = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -75,6 +75,16 @@ def save_tiny_chat_model(
     return path
 
 
+def _byte_to_char() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as a printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    extra = (b for b in range(256) if b not in printable)
+    chars = {b: chr(b) for b in printable}
+    chars.update({b: chr(256 + i) for i, b in enumerate(extra)})
+    return chars
+
+
 @dataclass
 class LiveServer:
     url: str
@@ -86,11 +96,13 @@ class LiveServer:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def get(self, path: str, **kwargs: Any) -> httpx.Response:
-        return httpx.get(self.url + path, headers=self.headers, timeout=60, **kwargs)
+        kwargs.setdefault("timeout", 60)
+        return httpx.get(self.url + path, headers=self.headers, **kwargs)
 
     def post(self, path: str, **kwargs: Any) -> httpx.Response:
+        kwargs.setdefault("timeout", 60)
         headers = {**self.headers, **kwargs.pop("headers", {})}
-        return httpx.post(self.url + path, headers=headers, timeout=60, **kwargs)
+        return httpx.post(self.url + path, headers=headers, **kwargs)
 
     def cache(self) -> dict[str, Any]:
         response = self.get("/v1/cache", params={"check_integrity": "true"})

@@ -152,7 +152,8 @@ def test_cached_tokens_and_salts(client: openai.OpenAI) -> None:
     b = client.chat.completions.create(model="tiny", messages=second, max_tokens=2)  # type: ignore[arg-type]
     assert a.usage is not None and b.usage is not None
     assert a.usage.prompt_tokens_details is not None and b.usage.prompt_tokens_details is not None
-    assert a.usage.prompt_tokens_details.cached_tokens == 0
+    # The template's opening ("<|im_start|>system\n") is shared by every chat request before.
+    assert a.usage.prompt_tokens_details.cached_tokens < 20
     assert b.usage.prompt_tokens_details.cached_tokens >= len(system)
 
     prompt = _unique("salted ") * 3

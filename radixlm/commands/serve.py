@@ -10,8 +10,13 @@ whatever still runs is aborted, and the engine thread stops.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
+from types import FrameType
+from typing import TYPE_CHECKING
+
+import uvicorn
 
 from radixlm.commands.options import (
     add_engine_arguments,
@@ -20,6 +25,9 @@ from radixlm.commands.options import (
     engine_configs,
 )
 from radixlm.config import ServerConfig
+
+if TYPE_CHECKING:
+    from radixlm.server.state import ServerState
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,8 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from radixlm.commands.local import load_engine
     from radixlm.engine.async_engine import AsyncEngine
     from radixlm.server.app import create_app
@@ -53,20 +59,36 @@ def run(args: argparse.Namespace) -> int:
     async_engine.start()
     try:
         app = create_app(async_engine, server_config)
-        server = uvicorn.Server(
+        server = _Server(
+            app.state.radixlm,
             uvicorn.Config(
                 app,
                 host=server_config.host,
                 port=server_config.port,
                 log_level=args.log_level,
                 timeout_graceful_shutdown=int(server_config.graceful_shutdown_s),
-            )
+            ),
         )
         print(_banner(server_config, app.state.radixlm.model_name), flush=True)
-        server.run()
+        with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it handled
+            server.run()
     finally:
         async_engine.shutdown()
+    print("radixlm serve: stopped", file=sys.stderr)
     return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn that aborts every running request on Ctrl-C, so open streams end at once (with
+    an error event) instead of holding the shutdown until they finish or time out."""
+
+    def __init__(self, state: ServerState, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.radixlm_state = state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        self.radixlm_state.abort_all()
 
 
 def _banner(config: ServerConfig, model: str) -> str:

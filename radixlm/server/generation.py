@@ -83,6 +83,7 @@ class Generation:
         request_id: str,
         namespace: str | None = None,
         observer: LatencyObserver | None = None,
+        registry: set[Generation] | None = None,
     ) -> None:
         self.engine = engine
         self.prompts = [list(p) for p in prompts]
@@ -90,6 +91,7 @@ class Generation:
         self.request_id = request_id
         self.namespace = namespace
         self.observer = observer
+        self.registry = registry  # the server's open generations (aborted at shutdown)
         self.arrival = time.perf_counter()
         self._events: asyncio.Queue[tuple[int, StreamDelta | BaseException | None]] = (
             asyncio.Queue()
@@ -101,6 +103,8 @@ class Generation:
 
     async def start(self) -> None:
         """Submit every prompt; return once each was admitted, or raise why one was not."""
+        if self.registry is not None:
+            self.registry.add(self)
         self._tasks = [
             asyncio.create_task(self._pump(i, prompt)) for i, prompt in enumerate(self.prompts)
         ]
@@ -132,9 +136,17 @@ class Generation:
 
     async def aclose(self) -> None:
         """Cancel every stream still running; the engine aborts them and frees their slots."""
+        if self.registry is not None:
+            self.registry.discard(self)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def abort(self) -> None:
+        """Ask the engine to stop every stream now; each ends with finish_reason "abort".
+        Thread-safe and non-blocking (a signal handler may call it)."""
+        for i in range(len(self.prompts)):
+            self.engine.abort(self._request_id(i))
 
     @property
     def usage(self) -> Usage:
@@ -147,7 +159,7 @@ class Generation:
 
     # ---- helpers ----------------------------------------------------------------------------
     async def _pump(self, i: int, prompt: list[int]) -> None:
-        rid = self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{i}"
+        rid = self._request_id(i)
         stream = cast(
             AsyncGenerator[StreamDelta, None],
             self.engine.generate(prompt, self.params, rid, self.namespace),
@@ -160,6 +172,9 @@ class Generation:
             self._events.put_nowait((i, exc))
         finally:
             await stream.aclose()
+
+    def _request_id(self, i: int) -> str:
+        return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{i}"
 
     def _account(self, i: int, delta: StreamDelta) -> ChoiceDelta:
         now = time.perf_counter()

@@ -38,6 +38,7 @@ from radixlm.server.responses import (
 from radixlm.server.state import ServerState
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
+ABORTED = "The server is shutting down: the request was aborted"  # the only abort a client sees
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 
@@ -195,7 +196,9 @@ async def _respond(
     header: ResponseHeader,
     prompt_param: str,
 ) -> Response:
-    gen = Generation(state.engine, prompts, params, header.id, body.cache_salt, state.metrics)
+    gen = Generation(
+        state.engine, prompts, params, header.id, body.cache_salt, state.metrics, state.generations
+    )
     try:
         await _until_disconnected(request, gen.start)
     except QueueFullError as exc:
@@ -213,7 +216,7 @@ async def _respond(
     failed = next((r for r in results if r.finish_reason in ("abort", "error")), None)
     if failed is not None:
         status = 503 if failed.finish_reason == "abort" else 500
-        raise APIError(status, failed.error or "The request was aborted by the server")
+        raise APIError(status, failed.error or ABORTED)
     return JSONResponse(full_response(header, results, gen.usage))
 
 
@@ -234,7 +237,7 @@ async def _stream(
             d = choice.delta
             if d.finish_reason in ("abort", "error"):
                 status = 503 if d.finish_reason == "abort" else 500
-                yield _sse(error_body(status, d.error or "The request was aborted by the server"))
+                yield _sse(error_body(status, d.error or ABORTED))
                 return
             first = choice.index not in started
             if not (first or d.text or d.logprobs or d.finish_reason or header.prompts):

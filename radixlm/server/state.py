@@ -13,6 +13,7 @@ from pathlib import Path
 
 from radixlm.config import ServerConfig
 from radixlm.engine.async_engine import AsyncEngine
+from radixlm.server.generation import Generation
 from radixlm.server.metrics import ServerMetrics
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -37,6 +38,7 @@ class ServerState:
     limits: ModelLimits
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
+    generations: set[Generation] = field(default_factory=set)  # requests being served now
 
     @classmethod
     def build(cls, engine: AsyncEngine, config: ServerConfig) -> ServerState:
@@ -47,6 +49,12 @@ class ServerState:
             vocab_size=int(core.runner.vocab_size),
         )
         return cls(engine, config, config.model_name or served_name(core.model_config.path), limits)
+
+    def abort_all(self) -> None:
+        """Abort every request being served (at shutdown): streams end, connections close.
+        Non-blocking and safe from a signal handler."""
+        for gen in list(self.generations):
+            gen.abort()
 
     def token_text(self, token_id: int) -> str:
         """One token's text for logprobs, special tokens included (decode() would drop them)."""
