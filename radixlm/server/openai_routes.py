@@ -1,8 +1,9 @@
 """POST /v1/completions, POST /v1/chat/completions and GET /v1/models.
 
-A request goes: strict schema -> prompt token ids -> SamplingParams (max_tokens defaults to what
-fits the context and the pool) -> `Generation.start()` (the engine admits it, or a 400 / 503)
--> a JSON response, or an SSE stream of chunks ending with `data: [DONE]`.
+A request goes: strict schema -> prompt token ids (text is tokenized in a worker thread) ->
+SamplingParams (max_tokens defaults to what fits the context and the pool) -> `Generation.start()`
+(the engine admits it, or a 400 / 503) -> a JSON response, or an SSE stream of chunks ending
+with `data: [DONE]`.
 
 A client that goes away is noticed while waiting (a watcher on the ASGI receive channel) or while
 streaming (Starlette cancels the body); either way the generation is closed, which aborts the
@@ -50,7 +51,7 @@ def openai_router(state: ServerState) -> APIRouter:
     async def completions(request: Request) -> Response:
         body = await _parse(request, CompletionRequest)
         _check_model(state, body.model)
-        prompts = [_prompt_ids(state, p) for p in body.prompts]
+        prompts = [await _prompt_ids(state, p) for p in body.prompts]
         header = _header(state, body, "completion", body.logprobs, prompts)
         params = _sampling_params(state, body, prompts, body.max_tokens, body.logprobs, "prompt")
         return await _respond(request, state, body, prompts, params, header, "prompt")
@@ -60,7 +61,8 @@ def openai_router(state: ServerState) -> APIRouter:
         body = await _parse(request, ChatCompletionRequest)
         _check_model(state, body.model)
         try:
-            prompt = list(state.engine.tokenizer.apply_chat_template(body.template_messages))
+            tokenizer = state.engine.tokenizer
+            prompt = await asyncio.to_thread(tokenizer.apply_chat_template, body.template_messages)
         except ValueError as exc:
             raise APIError(400, f"Invalid messages: {exc}", param="messages") from exc
         top = (body.top_logprobs or 0) if body.logprobs else None
@@ -103,8 +105,13 @@ def _check_model(state: ServerState, model: str | None) -> None:
         )
 
 
-def _prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
-    ids = list(state.engine.tokenizer.encode(prompt)) if isinstance(prompt, str) else prompt
+async def _prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
+    """Token ids of a prompt. Text is tokenized off the event loop: a long prompt must not
+    stall /health or the streams of other clients."""
+    if isinstance(prompt, str):
+        ids = await asyncio.to_thread(state.engine.tokenizer.encode, prompt)
+    else:
+        ids = prompt
     if not ids:
         raise APIError(400, "The prompt is empty", param="prompt")
     vocab = state.limits.vocab_size
