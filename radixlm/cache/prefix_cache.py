@@ -64,6 +64,8 @@ class CacheStats(NamedTuple):
 class PrefixCache(ABC):
     """KV slots for requests, shared through cached prefixes. One engine thread calls it."""
 
+    shares_prefixes: bool = True  # False for the no-cache ablation
+
     def __init__(self, pool: SlotPool) -> None:
         self.pool = pool
         self.num_in_flight = 0  # slots allocated to requests and not yet tree-owned
@@ -72,6 +74,15 @@ class PrefixCache(ABC):
     def match(self, tokens: np.ndarray, namespace: Namespace = None) -> MatchResult:
         """The longest cached prefix (whole pages). May split a node; changes no slot's owner.
         The caller must lock `result.node` before the next alloc/evict to keep the slots."""
+
+    @abstractmethod
+    def peek(self, tokens: np.ndarray, namespace: Namespace = None) -> int:
+        """The length `match` would return, changing nothing (for ordering the waiting queue)."""
+
+    @property
+    @abstractmethod
+    def version(self) -> object:
+        """A value that changes whenever a `peek` result may have changed."""
 
     @abstractmethod
     def lock(self, node: TreeNode) -> None:
@@ -172,6 +183,13 @@ class RadixCache(PrefixCache):
     def match(self, tokens: np.ndarray, namespace: Namespace = None) -> MatchResult:
         return self.tree.match(tokens, namespace)
 
+    def peek(self, tokens: np.ndarray, namespace: Namespace = None) -> int:
+        return self.tree.peek(tokens, namespace)
+
+    @property
+    def version(self) -> object:
+        return self.tree.version
+
     def lock(self, node: TreeNode) -> None:
         self.tree.lock(node)
 
@@ -245,6 +263,8 @@ class NoCache(PrefixCache):
     """The same interface with no sharing: match finds nothing, every slot stays in flight
     until `release`. Serves the cache-off ablation."""
 
+    shares_prefixes = False
+
     def __init__(self, pool: SlotPool) -> None:
         super().__init__(pool)
         self._root = RadixTree().root()  # the node every match returns; locks are no-ops
@@ -254,6 +274,13 @@ class NoCache(PrefixCache):
         self._num_queries += 1
         self._queried_tokens += len(tokens)
         return MatchResult(0, _NO_SLOTS, self._root)
+
+    def peek(self, tokens: np.ndarray, namespace: Namespace = None) -> int:
+        return 0
+
+    @property
+    def version(self) -> object:
+        return 0
 
     def lock(self, node: TreeNode) -> None:
         pass

@@ -101,6 +101,29 @@ class RadixTree:
         slots = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else NO_SLOTS
         return MatchResult(length, slots, node)
 
+    def peek(self, tokens: np.ndarray | list[int], namespace: Namespace = None) -> int:
+        """Length of the longest cached prefix (whole pages), changing nothing: no split, no
+        LRU touch, no stats. For ordering queues; use `match` to actually reuse the prefix."""
+        node = self._roots.get(namespace)
+        if node is None:
+            return 0
+        buf = self._page_bytes_of(_as_ids(tokens))
+        pos, end, page_b = 0, len(buf), self._page_bytes
+        while pos < end:
+            child = node.children.get(buf[pos : pos + page_b])
+            if child is None:
+                break
+            if not buf.startswith(child.key, pos):
+                return pos // TOKEN_BYTES + self._common_len(child.key, buf, pos)
+            pos += len(child.key)
+            node = child
+        return pos // TOKEN_BYTES
+
+    @property
+    def version(self) -> tuple[int, int]:
+        """Changes whenever tokens enter or leave the tree (a `peek` may then differ)."""
+        return (self._inserted_tokens, self._evicted_tokens)
+
     def insert(
         self, tokens: np.ndarray | list[int], slots: np.ndarray, namespace: Namespace = None
     ) -> InsertResult:

@@ -199,7 +199,7 @@ class Engine:
                 self.scheduler.add(fork)
                 continue
             self.cache.lock(match.node)
-            self.scheduler._start(fork, match.node, match.slots, match.length)
+            self.scheduler.start(fork, match.node, match.slots, match.length)
             started.append(fork)
         return started
 
