@@ -14,7 +14,9 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {}
 
 # `radixlm bench <name>`
-BENCHES: dict[str, tuple[str, str]] = {}
+BENCHES: dict[str, tuple[str, str]] = {
+    "model": ("radixlm.bench.model_speed", "prefill and decode speed against transformers"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
