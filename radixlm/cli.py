@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 # `radixlm bench <name>`
 BENCHES: dict[str, tuple[str, str]] = {
     "cache": ("radixlm.bench.cache_replay", "replay a request trace through the radix tree"),
+    "model": ("radixlm.bench.model_speed", "prefill and decode speed against transformers"),
     "offline": ("radixlm.bench.offline", "a workload through the engine, radix cache vs none"),
 }
 
