@@ -88,12 +88,14 @@ def each_tiny_hf_model(request: pytest.FixtureRequest, tiny_hf_model) -> TinyMod
     return tiny_hf_model(request.param)
 
 
-def save_tiny_model(variant: str, path: Path, seed: int = 0) -> torch.nn.Module:
+def save_tiny_model(
+    variant: str, path: Path, seed: int = 0, **config_overrides: Any
+) -> torch.nn.Module:
     """Build a random model of `variant`, save it with its tokenizer at `path`, return it."""
     import transformers
 
     class_name, overrides = TINY_VARIANTS[variant]
-    config = getattr(transformers, class_name)(**{**TINY_BASE, **overrides})
+    config = getattr(transformers, class_name)(**{**TINY_BASE, **overrides, **config_overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from typing import Any
+from typing import Any, cast
 
 from radixlm.bench.workloads import add_workload_arguments, workload_from_args, workload_params
 
@@ -61,13 +61,13 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     from rich.progress import Progress
 
     from radixlm.bench.workloads import WorkloadProgress, ideal_prefill_tokens
-    from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
+    from radixlm.config import CacheConfig, CacheKind, ModelConfig, SchedulerConfig
     from radixlm.engine.engine import Engine
     from radixlm.request import Request, SamplingParams
 
     engine = Engine(
         ModelConfig(path=args.model),
-        CacheConfig(num_slots=args.num_slots, cache=mode),
+        CacheConfig(num_slots=args.num_slots, cache=cast(CacheKind, mode)),
         SchedulerConfig(
             max_running_requests=args.max_running,
             max_batch_tokens=args.max_batch_tokens,

@@ -25,6 +25,7 @@ import numpy as np
 
 from radixlm.cache.kv_pool import OutOfSlotsError
 from radixlm.cache.radix_tree import MatchResult, Namespace, RadixTree, TreeNode
+from radixlm.cache.tree_node import TokenIds
 from radixlm.config import CacheConfig
 
 _NO_SLOTS = np.empty(0, dtype=np.int64)
@@ -71,12 +72,12 @@ class PrefixCache(ABC):
         self.num_in_flight = 0  # slots allocated to requests and not yet tree-owned
 
     @abstractmethod
-    def match(self, tokens: np.ndarray, namespace: Namespace = None) -> MatchResult:
+    def match(self, tokens: TokenIds, namespace: Namespace = None) -> MatchResult:
         """The longest cached prefix (whole pages). May split a node; changes no slot's owner.
         The caller must lock `result.node` before the next alloc/evict to keep the slots."""
 
     @abstractmethod
-    def peek(self, tokens: np.ndarray, namespace: Namespace = None) -> int:
+    def peek(self, tokens: TokenIds, namespace: Namespace = None) -> int:
         """The length `match` would return, changing nothing (for ordering the waiting queue)."""
 
     @property
@@ -94,7 +95,7 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def commit(
-        self, tokens: np.ndarray, slots: np.ndarray, namespace: Namespace, node: TreeNode
+        self, tokens: TokenIds, slots: np.ndarray, namespace: Namespace, node: TreeNode
     ) -> CommitResult:
         """Hand the whole pages of a request's computed `tokens` to the tree.
 
@@ -180,10 +181,10 @@ class RadixCache(PrefixCache):
         super().__init__(pool)
         self.tree = RadixTree(page_size=page_size, policy=policy)
 
-    def match(self, tokens: np.ndarray, namespace: Namespace = None) -> MatchResult:
+    def match(self, tokens: TokenIds, namespace: Namespace = None) -> MatchResult:
         return self.tree.match(tokens, namespace)
 
-    def peek(self, tokens: np.ndarray, namespace: Namespace = None) -> int:
+    def peek(self, tokens: TokenIds, namespace: Namespace = None) -> int:
         return self.tree.peek(tokens, namespace)
 
     @property
@@ -197,7 +198,7 @@ class RadixCache(PrefixCache):
         self.tree.unlock(node)
 
     def commit(
-        self, tokens: np.ndarray, slots: np.ndarray, namespace: Namespace, node: TreeNode
+        self, tokens: TokenIds, slots: np.ndarray, namespace: Namespace, node: TreeNode
     ) -> CommitResult:
         slots = np.asarray(slots, dtype=np.int64)
         if len(tokens) != len(slots):
@@ -270,12 +271,12 @@ class NoCache(PrefixCache):
         self._root = RadixTree().root()  # the node every match returns; locks are no-ops
         self._num_queries = self._queried_tokens = 0
 
-    def match(self, tokens: np.ndarray, namespace: Namespace = None) -> MatchResult:
+    def match(self, tokens: TokenIds, namespace: Namespace = None) -> MatchResult:
         self._num_queries += 1
         self._queried_tokens += len(tokens)
         return MatchResult(0, _NO_SLOTS, self._root)
 
-    def peek(self, tokens: np.ndarray, namespace: Namespace = None) -> int:
+    def peek(self, tokens: TokenIds, namespace: Namespace = None) -> int:
         return 0
 
     @property
@@ -289,7 +290,7 @@ class NoCache(PrefixCache):
         pass
 
     def commit(
-        self, tokens: np.ndarray, slots: np.ndarray, namespace: Namespace, node: TreeNode
+        self, tokens: TokenIds, slots: np.ndarray, namespace: Namespace, node: TreeNode
     ) -> CommitResult:
         if len(tokens) != len(slots):
             raise ValueError(f"{len(tokens)} tokens but {len(slots)} slots")

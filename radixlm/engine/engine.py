@@ -28,8 +28,8 @@ import torch
 
 from radixlm.cache.prefix_cache import create_prefix_cache
 from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
-from radixlm.engine.runner import ModelRunner
 from radixlm.detokenizer import OutputStream
+from radixlm.engine.runner import ModelRunner
 from radixlm.engine.sampler import Sampler, SamplingState, TokenLogprobs
 from radixlm.engine.scheduler import ScheduledRequest, Scheduler
 from radixlm.model.forward_batch import ForwardBatch
@@ -229,9 +229,7 @@ class Engine:
             self.stats.finished_requests += 1
         return self._delta(req, text, new_tokens or [], reason)
 
-    def _delta(
-        self, req: Request, text: str, tokens: list[int], reason: str | None
-    ) -> StreamDelta:
+    def _delta(self, req: Request, text: str, tokens: list[int], reason: str | None) -> StreamDelta:
         n = len(tokens)
         return StreamDelta(
             request_id=req.rid,

@@ -31,9 +31,6 @@ from radixlm.cache.radix_tree import RadixTree
 from radixlm.config import SchedulerConfig
 from radixlm.request import Request, RequestState
 
-# A waiting request defers to an in-progress one when it would share this many more tokens.
-IN_BATCH_SHARE_MIN = 32
-
 
 @dataclass(frozen=True)
 class ScheduledRequest:
@@ -110,9 +107,7 @@ class Scheduler:
         self._admit(budget, out)
         return out
 
-    def _extend(
-        self, req: Request, n: int, out: SchedulerOutput, scheduled: set[int]
-    ) -> bool:
+    def _extend(self, req: Request, n: int, out: SchedulerOutput, scheduled: set[int]) -> bool:
         """Give a running request n slots, retracting newer requests while memory is short."""
         while True:
             try:
@@ -141,8 +136,10 @@ class Scheduler:
             match = self.cache.match(req.lookup_key, req.namespace)
             if in_progress is not None:
                 shared = in_progress.peek(req.lookup_key, req.namespace)
-                if shared >= match.length + IN_BATCH_SHARE_MIN:
-                    continue  # another request is computing this prefix right now
+                if shared > match.length:
+                    # Another request is computing more of this prefix right now: wait for it
+                    # to enter the tree (at most a chunk away) rather than compute it twice.
+                    continue
             n = min(req.seq_len - match.length, self.config.chunk_size, budget)
             self.cache.lock(match.node)
             try:
