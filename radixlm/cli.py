@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 BENCHES: dict[str, tuple[str, str]] = {
     "serve": ("radixlm.bench.online", "load an OpenAI-compatible server with a workload"),
     "cache": ("radixlm.bench.cache_replay", "replay a request trace through the radix tree"),
+    "model": ("radixlm.bench.model_speed", "prefill and decode speed against transformers"),
+    "offline": ("radixlm.bench.offline", "a workload through the engine, radix cache vs none"),
 }
 
 

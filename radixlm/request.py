@@ -137,6 +137,11 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Scheduling state while waiting: the key admission matches, and the cached-prefix length
+    # the tree had for it at `hint_version` (re-peeked only when the tree changed).
+    lookup_key: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    match_hint: int = 0
+    hint_version: object = None
     wait_steps: int = 0  # scheduling passes spent waiting (the LPM age bound)
 
     # Per-request sampling and text state, set by the engine.

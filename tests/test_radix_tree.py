@@ -189,6 +189,17 @@ def make_machine(page_size: int, vocab: int, max_len: int) -> type[RuleBasedStat
             self.unlocked.append((namespace, tuple(tokens[:length]), m.node))
 
         @rule(tokens=tokens, namespace=NAMESPACES)
+        def peek(self, tokens: list[int], namespace: str | None) -> None:
+            before = (self.tree.num_nodes, self.tree.stats())
+            length = 0
+            for key in self.ref._page_keys(tokens, namespace):  # the reference, untouched
+                if key not in self.ref.slots:
+                    break
+                length = len(key[1])
+            assert self.tree.peek(np.array(tokens, dtype=np.int64), namespace) == length
+            assert (self.tree.num_nodes, self.tree.stats()) == before  # changes nothing
+
+        @rule(tokens=tokens, namespace=NAMESPACES)
         def insert(self, tokens: list[int], namespace: str | None) -> None:
             slots = list(range(self.next_slot, self.next_slot + len(tokens)))
             self.next_slot += len(tokens)

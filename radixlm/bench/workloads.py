@@ -13,6 +13,8 @@ tokens, so the intended sharing is exactly the sharing there is.
 
 from __future__ import annotations
 
+import argparse
+import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -284,3 +286,32 @@ class _Draw:
             raise ValueError(f"{count} siblings need as many distinct ids; token_range is smaller")
         firsts = self.rng.choice(len(self.token_range), size=count, replace=False)
         return [(self.token_range.start + int(f), *self.tokens(n - 1)) for f in firsts]
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--workload NAME`, `--seed`, and one flag per generator parameter, named
+    `--<workload>-<param>` (e.g. `--gsp-num-groups`, as in SGLang's bench_serving)."""
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="gsp")
+    parser.add_argument("--seed", type=int, default=0)
+    for name, generator in WORKLOADS.items():
+        group = parser.add_argument_group(f"{name} workload")
+        for param in _parameters(generator):
+            flag = f"--{name}-{param.name.replace('_', '-')}"
+            group.add_argument(flag, type=int, default=param.default, metavar="N")
+
+
+def workload_from_args(args: argparse.Namespace, token_range: range) -> Workload:
+    """The workload the flags of `add_workload_arguments` describe."""
+    generator = WORKLOADS[args.workload]
+    return generator(token_range=token_range, seed=args.seed, **workload_params(args))
+
+
+def workload_params(args: argparse.Namespace) -> dict[str, int]:
+    """The chosen workload's parameters, for a benchmark's JSON."""
+    generator = WORKLOADS[args.workload]
+    return {p.name: getattr(args, f"{args.workload}_{p.name}") for p in _parameters(generator)}
+
+
+def _parameters(generator: Callable[..., Workload]) -> list[inspect.Parameter]:
+    skip = {"token_range", "seed"}
+    return [p for p in inspect.signature(generator).parameters.values() if p.name not in skip]

@@ -25,6 +25,7 @@ import numpy as np
 
 from radixlm.cache.kv_pool import OutOfSlotsError
 from radixlm.cache.radix_tree import MatchResult, Namespace, RadixTree, TreeNode
+from radixlm.cache.tree_node import TokenIds
 from radixlm.config import CacheConfig
 
 _NO_SLOTS = np.empty(0, dtype=np.int64)
@@ -64,14 +65,25 @@ class CacheStats(NamedTuple):
 class PrefixCache(ABC):
     """KV slots for requests, shared through cached prefixes. One engine thread calls it."""
 
+    shares_prefixes: bool = True  # False for the no-cache ablation
+
     def __init__(self, pool: SlotPool) -> None:
         self.pool = pool
         self.num_in_flight = 0  # slots allocated to requests and not yet tree-owned
 
     @abstractmethod
-    def match(self, tokens: np.ndarray, namespace: Namespace = None) -> MatchResult:
+    def match(self, tokens: TokenIds, namespace: Namespace = None) -> MatchResult:
         """The longest cached prefix (whole pages). May split a node; changes no slot's owner.
         The caller must lock `result.node` before the next alloc/evict to keep the slots."""
+
+    @abstractmethod
+    def peek(self, tokens: TokenIds, namespace: Namespace = None) -> int:
+        """The length `match` would return, changing nothing (for ordering the waiting queue)."""
+
+    @property
+    @abstractmethod
+    def version(self) -> object:
+        """A value that changes whenever a `peek` result may have changed."""
 
     @abstractmethod
     def lock(self, node: TreeNode) -> None:
@@ -83,7 +95,7 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def commit(
-        self, tokens: np.ndarray, slots: np.ndarray, namespace: Namespace, node: TreeNode
+        self, tokens: TokenIds, slots: np.ndarray, namespace: Namespace, node: TreeNode
     ) -> CommitResult:
         """Hand the whole pages of a request's computed `tokens` to the tree.
 
@@ -169,8 +181,15 @@ class RadixCache(PrefixCache):
         super().__init__(pool)
         self.tree = RadixTree(page_size=page_size, policy=policy)
 
-    def match(self, tokens: np.ndarray, namespace: Namespace = None) -> MatchResult:
+    def match(self, tokens: TokenIds, namespace: Namespace = None) -> MatchResult:
         return self.tree.match(tokens, namespace)
+
+    def peek(self, tokens: TokenIds, namespace: Namespace = None) -> int:
+        return self.tree.peek(tokens, namespace)
+
+    @property
+    def version(self) -> object:
+        return self.tree.version
 
     def lock(self, node: TreeNode) -> None:
         self.tree.lock(node)
@@ -179,7 +198,7 @@ class RadixCache(PrefixCache):
         self.tree.unlock(node)
 
     def commit(
-        self, tokens: np.ndarray, slots: np.ndarray, namespace: Namespace, node: TreeNode
+        self, tokens: TokenIds, slots: np.ndarray, namespace: Namespace, node: TreeNode
     ) -> CommitResult:
         slots = np.asarray(slots, dtype=np.int64)
         if len(tokens) != len(slots):
@@ -245,15 +264,24 @@ class NoCache(PrefixCache):
     """The same interface with no sharing: match finds nothing, every slot stays in flight
     until `release`. Serves the cache-off ablation."""
 
+    shares_prefixes = False
+
     def __init__(self, pool: SlotPool) -> None:
         super().__init__(pool)
         self._root = RadixTree().root()  # the node every match returns; locks are no-ops
         self._num_queries = self._queried_tokens = 0
 
-    def match(self, tokens: np.ndarray, namespace: Namespace = None) -> MatchResult:
+    def match(self, tokens: TokenIds, namespace: Namespace = None) -> MatchResult:
         self._num_queries += 1
         self._queried_tokens += len(tokens)
         return MatchResult(0, _NO_SLOTS, self._root)
+
+    def peek(self, tokens: TokenIds, namespace: Namespace = None) -> int:
+        return 0
+
+    @property
+    def version(self) -> object:
+        return 0
 
     def lock(self, node: TreeNode) -> None:
         pass
@@ -262,7 +290,7 @@ class NoCache(PrefixCache):
         pass
 
     def commit(
-        self, tokens: np.ndarray, slots: np.ndarray, namespace: Namespace, node: TreeNode
+        self, tokens: TokenIds, slots: np.ndarray, namespace: Namespace, node: TreeNode
     ) -> CommitResult:
         if len(tokens) != len(slots):
             raise ValueError(f"{len(tokens)} tokens but {len(slots)} slots")

@@ -32,6 +32,7 @@ from radixlm.cache.tree_node import (
     InsertResult,
     MatchResult,
     Namespace,
+    TokenIds,
     TreeNode,
     TreeStats,
 )
@@ -81,7 +82,7 @@ class RadixTree:
             root.namespace = namespace
         return root
 
-    def match(self, tokens: np.ndarray | list[int], namespace: Namespace = None) -> MatchResult:
+    def match(self, tokens: TokenIds, namespace: Namespace = None) -> MatchResult:
         """The longest cached prefix of `tokens` in whole pages.
 
         Mutates: touches (LRU) every node on the matched path; when the match ends inside an
@@ -101,8 +102,31 @@ class RadixTree:
         slots = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else NO_SLOTS
         return MatchResult(length, slots, node)
 
+    def peek(self, tokens: TokenIds, namespace: Namespace = None) -> int:
+        """Length of the longest cached prefix (whole pages), changing nothing: no split, no
+        LRU touch, no stats. For ordering queues; use `match` to actually reuse the prefix."""
+        node = self._roots.get(namespace)
+        if node is None:
+            return 0
+        buf = self._page_bytes_of(_as_ids(tokens))
+        pos, end, page_b = 0, len(buf), self._page_bytes
+        while pos < end:
+            child = node.children.get(buf[pos : pos + page_b])
+            if child is None:
+                break
+            if not buf.startswith(child.key, pos):
+                return pos // TOKEN_BYTES + self._common_len(child.key, buf, pos)
+            pos += len(child.key)
+            node = child
+        return pos // TOKEN_BYTES
+
+    @property
+    def version(self) -> tuple[int, int]:
+        """Changes whenever tokens enter or leave the tree (a `peek` may then differ)."""
+        return (self._inserted_tokens, self._evicted_tokens)
+
     def insert(
-        self, tokens: np.ndarray | list[int], slots: np.ndarray, namespace: Namespace = None
+        self, tokens: TokenIds, slots: np.ndarray, namespace: Namespace = None
     ) -> InsertResult:
         """Add the whole pages of `tokens` with their `slots` (same length as `tokens`).
 
@@ -193,7 +217,7 @@ class RadixTree:
         """Evict every unlocked node."""
         return self.evict(self.evictable_tokens)
 
-    def ends_path(self, node: TreeNode, tokens: np.ndarray, namespace: Namespace = None) -> bool:
+    def ends_path(self, node: TreeNode, tokens: TokenIds, namespace: Namespace = None) -> bool:
         """Whether `node` hangs in `namespace` and its path spells `tokens[:node.depth]`."""
         ids = _as_ids(tokens)
         if node.depth < 0 or node.depth > len(ids):
@@ -319,7 +343,7 @@ class RadixTree:
         return common // self.page_size * self.page_size
 
 
-def _as_ids(tokens: np.ndarray | list[int]) -> np.ndarray:
+def _as_ids(tokens: TokenIds) -> np.ndarray:
     if isinstance(tokens, np.ndarray) and tokens.dtype == np.int64:
         return tokens
     return np.asarray(tokens, dtype=np.int64)

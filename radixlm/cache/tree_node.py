@@ -7,11 +7,13 @@ they are about to lock); `depth` is -1 once a node was evicted.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 Namespace = str | None
+TokenIds = np.ndarray | Sequence[int]  # token ids as given; the tree compares int64 bytes
 TOKEN_BYTES = 8  # token ids are int64
 NO_SLOTS = np.empty(0, dtype=np.int64)
 NO_SLOTS.setflags(write=False)

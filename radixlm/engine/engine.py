@@ -28,8 +28,8 @@ import torch
 
 from radixlm.cache.prefix_cache import create_prefix_cache
 from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
-from radixlm.engine.runner import ModelRunner
 from radixlm.detokenizer import OutputStream
+from radixlm.engine.runner import ModelRunner
 from radixlm.engine.sampler import Sampler, SamplingState, TokenLogprobs
 from radixlm.engine.scheduler import ScheduledRequest, Scheduler
 from radixlm.model.forward_batch import ForwardBatch
@@ -206,7 +206,7 @@ class Engine:
                 self.scheduler.add(fork)
                 continue
             self.cache.lock(match.node)
-            self.scheduler._start(fork, match.node, match.slots, match.length)
+            self.scheduler.start(fork, match.node, match.slots, match.length)
             started.append(fork)
         return started
 

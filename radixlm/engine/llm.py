@@ -13,9 +13,9 @@ is applied). All prompts are queued at once, so the scheduler batches them and s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
-from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
+from radixlm.config import CacheConfig, CacheKind, DType, ModelConfig, Policy, SchedulerConfig
 from radixlm.engine.engine import Engine
 from radixlm.request import (
     CompletionOutput,
@@ -33,25 +33,25 @@ class LLM:
         self,
         model: str | None = None,
         *,
-        dtype: str = "float32",
+        dtype: DType = "float32",
         device: str = "cpu",
         num_threads: int | None = None,
-        cache: str = "radix",
+        cache: CacheKind = "radix",
         num_slots: int = CacheConfig.num_slots,
         page_size: int = 1,
-        policy: str = "lpm",
+        policy: Policy = "lpm",
         chunk_size: int = SchedulerConfig.chunk_size,
         max_batch_tokens: int = SchedulerConfig.max_batch_tokens,
         max_running_requests: int = SchedulerConfig.max_running_requests,
     ) -> None:
         self.engine = Engine(
-            ModelConfig(path=model, dtype=dtype, device=device, num_threads=num_threads),  # type: ignore[arg-type]
-            CacheConfig(num_slots=num_slots, page_size=page_size, cache=cache),  # type: ignore[arg-type]
+            ModelConfig(path=model, dtype=dtype, device=device, num_threads=num_threads),
+            CacheConfig(num_slots=num_slots, page_size=page_size, cache=cache),
             SchedulerConfig(
                 chunk_size=chunk_size,
                 max_batch_tokens=max_batch_tokens,
                 max_running_requests=max_running_requests,
-                policy=policy,  # type: ignore[arg-type]
+                policy=policy,
             ),
         )
         self.tokenizer = self.engine.tokenizer
@@ -64,7 +64,10 @@ class LLM:
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in the order of the prompts."""
-        batch = [prompts] if _is_single_prompt(prompts) else list(prompts)  # type: ignore[arg-type]
+        if _is_single_prompt(prompts):
+            batch = [cast(Prompt, prompts)]
+        else:
+            batch = list(cast(Sequence[Prompt], prompts))
         if params is None or isinstance(params, SamplingParams):
             params_list = [params or SamplingParams()] * len(batch)
         else:
@@ -83,7 +86,7 @@ class LLM:
     def to_token_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        items = list(prompt)
+        items: list[Any] = list(prompt)
         if items and all(isinstance(m, dict) for m in items):
             return self.tokenizer.apply_chat_template(items)
         if all(isinstance(t, int) for t in items):

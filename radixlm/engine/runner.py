@@ -27,7 +27,7 @@ class ModelRunner:
         loaded = load_model(model_config.path, dtype=model_config.dtype, device=model_config.device)
         self.model = loaded.model
         self.arch = loaded.config
-        self.tokenizer = Tokenizer(loaded.tokenizer)
+        self.tokenizer = Tokenizer(loaded.tokenizer, extra_eos_token_ids=self.arch.eos_token_ids)
         self.device = torch.device(model_config.device)
         kv_dtype = _DTYPES[cache_config.kv_dtype or model_config.dtype]
         self.pool = KVPool(

@@ -31,9 +31,6 @@ from radixlm.cache.radix_tree import RadixTree
 from radixlm.config import SchedulerConfig
 from radixlm.request import Request, RequestState
 
-# A waiting request defers to an in-progress one when it would share this many more tokens.
-IN_BATCH_SHARE_MIN = 32
-
 
 @dataclass(frozen=True)
 class ScheduledRequest:
@@ -65,7 +62,7 @@ class Scheduler:
     # ---- queues ---------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         """Queue a request. The caller has checked that it fits the pool and the context."""
-        req.state = RequestState.WAITING
+        self._enqueue(req)
         self.waiting.append(req)
 
     def remove(self, req: Request) -> None:
@@ -136,11 +133,13 @@ class Scheduler:
         for req in self._waiting_order():
             if budget == 0 or len(self.running) >= self.config.max_running_requests:
                 break
-            match = self.cache.match(req.all_ids[:-1], req.namespace)
+            match = self.cache.match(req.lookup_key, req.namespace)
             if in_progress is not None:
-                shared = in_progress.match(req.all_ids[:-1], req.namespace).length
-                if shared >= match.length + IN_BATCH_SHARE_MIN:
-                    continue  # another request is computing this prefix right now
+                shared = in_progress.peek(req.lookup_key, req.namespace)
+                if shared > match.length:
+                    # Another request is computing more of this prefix right now: wait for it
+                    # to enter the tree (at most a chunk away) rather than compute it twice.
+                    continue
             n = min(req.seq_len - match.length, self.config.chunk_size, budget)
             self.cache.lock(match.node)
             try:
@@ -148,7 +147,7 @@ class Scheduler:
             except OutOfSlotsError:
                 self.cache.unlock(match.node)
                 break  # memory is full: admit nothing more this step
-            self._start(req, match.node, match.slots, match.length)
+            self.start(req, match.node, match.slots, match.length)
             admitted.append(req)
             out.scheduled.append(ScheduledRequest(req, n, slots))
             budget -= n
@@ -166,8 +165,12 @@ class Scheduler:
             return list(self.waiting)
         aged = [r for r in self.waiting if r.wait_steps >= self.config.max_wait_steps]
         fresh = [r for r in self.waiting if r.wait_steps < self.config.max_wait_steps]
-        hints = {id(r): self.cache.peek(r.all_ids[:-1], r.namespace) for r in fresh}
-        fresh.sort(key=lambda r: -hints[id(r)])  # stable: ties keep arrival order
+        version = self.cache.version
+        for r in fresh:  # re-peek only when the tree has changed since the last look
+            if r.hint_version != version:
+                r.match_hint = self.cache.peek(r.lookup_key, r.namespace)
+                r.hint_version = version
+        fresh.sort(key=lambda r: -r.match_hint)  # stable: ties keep arrival order
         return aged + fresh
 
     def _in_progress_tree(self) -> RadixTree | None:
@@ -181,7 +184,7 @@ class Scheduler:
         return tree
 
     # ---- slot ownership transitions --------------------------------------------------------
-    def _start(self, req: Request, node: object, slots: np.ndarray, cached_len: int) -> None:
+    def start(self, req: Request, node: object, slots: np.ndarray, cached_len: int) -> None:
         req.state = RequestState.RUNNING
         req.node = node
         req.slots = slots
@@ -196,10 +199,16 @@ class Scheduler:
         """Hand a running request's KV to the tree and requeue it at the front."""
         self.running.remove(req)
         self._drop_kv(req)
-        req.state = RequestState.WAITING
+        self._enqueue(req)
         self.waiting.appendleft(req)
         out.retracted.append(req)
         self.num_retractions += 1
+
+    def _enqueue(self, req: Request) -> None:
+        req.state = RequestState.WAITING
+        # What admission will match: everything but the last token, whose logits are needed.
+        req.lookup_key = np.asarray(req.all_ids[:-1], dtype=np.int64)
+        req.hint_version = None
 
     def _drop_kv(self, req: Request) -> None:
         commit = self.cache.commit(

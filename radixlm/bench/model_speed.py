@@ -1,0 +1,244 @@
+"""`radixlm bench model`: prefill and decode speed of the decoder, side by side with transformers.
+
+Both run the same weights in one process with the same torch threads, in alternating rounds
+(ours, theirs, ours, theirs, ...) keeping each side's best, so a noisy neighbour on a shared
+machine hurts both sides alike and rarely decides the ratio.
+  prefill   one request of N tokens from an empty cache: tokens/s. transformers: one forward
+            with a fresh cache and `logits_to_keep=1` (what `generate` does with a prompt).
+  decode    B requests, each with a C-token context already cached, greedy: ms per step, our
+            ForwardBatch.build and argmax included. transformers: `generate` continuing a
+            DynamicCache that holds the same context, (time(1 + S tokens) - time(1 token)) / S.
+  bandwidth bytes a decode step must read (every weight once + the K/V of B x C tokens) / step
+            time: the roofline number for a memory-bound step.
+`--profile` prints a torch.profiler table of one prefill and one decode step of ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from radixlm.cache.kv_pool import KVPool
+from radixlm.model.forward_batch import ForwardBatch
+from radixlm.model.loader import DTYPES, default_model_path, load_causal_lm
+from radixlm.model.transformer import CausalLM
+
+Timer = Callable[[], float]  # runs once, returns seconds
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2)")
+    parser.add_argument("--json", default=None, metavar="OUT", help="write the results here")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    parser.add_argument("--threads", type=int, default=None, help="default: the cores available")
+    parser.add_argument("--prefill-lens", default="128,1024,4096")
+    parser.add_argument("--decode-batches", default="1,8,32")
+    parser.add_argument("--context", type=int, default=1024, help="cached tokens per request")
+    parser.add_argument("--steps", type=int, default=8, help="decode steps per round")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; best kept")
+    parser.add_argument("--no-transformers", action="store_true", help="ours only")
+    parser.add_argument("--dense", action="store_true", help="also ours with unpacked weights")
+    parser.add_argument("--profile", action="store_true", help="profile one prefill and decode")
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    threads = args.threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    path = args.model or default_model_path()
+    sides: dict[str, Any] = {"ours": load_causal_lm(path, args.dtype)}
+    if args.dense:
+        sides["ours_dense"] = load_causal_lm(path, args.dtype, pack_weights=False)
+    if not args.no_transformers:
+        sides["transformers"] = _load_transformers(path, args.dtype)
+    results: dict[str, Any] = {"model": path, "dtype": args.dtype, "threads": threads}
+    results.update(torch=torch.__version__, prefill=[], decode=[])
+    print(f"model {path}  dtype {args.dtype}  threads {threads}  rounds {args.rounds}")
+    with torch.inference_mode():
+        for n in (int(x) for x in args.prefill_lens.split(",")):
+            timers = {name: _prefill_timer(model, name, n) for name, model in sides.items()}
+            best = _alternate(timers, args.rounds if n <= 1024 else max(1, args.rounds - 1))
+            row = {"tokens": n, **{f"{name}_tok_s": n / t for name, t in best.items()}}
+            results["prefill"].append(row)
+            _print_row("prefill", row)
+        for b in (int(x) for x in args.decode_batches.split(",")):
+            row = _decode_row(sides, b, args)
+            results["decode"].append(row)
+            _print_row("decode", row)
+        if args.profile:
+            _profile(sides["ours"], args.context)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def _alternate(timers: dict[str, Timer], rounds: int) -> dict[str, float]:
+    """Best seconds of each timer over `rounds` alternating rounds, after one warm-up each."""
+    for timer in timers.values():
+        timer()
+    best = {name: float("inf") for name in timers}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            best[name] = min(best[name], timer())
+    return best
+
+
+def _prefill_timer(model: Any, side: str, n: int) -> Timer:
+    ids = _token_ids(n, _vocab_size(model))
+    if side == "transformers":
+        input_ids = torch.tensor([ids])
+        return _timed(lambda: model(input_ids, use_cache=True, logits_to_keep=1))
+    pool = _pool(model, n)
+    slots, empty = pool.alloc(n), np.zeros(0, dtype=np.int64)
+    return _timed(lambda: model(ForwardBatch.build([ids], [empty], [slots]), pool))
+
+
+def _decode_row(sides: dict[str, Any], batch_size: int, args: argparse.Namespace) -> dict:
+    context = _token_ids(args.context, _vocab_size(sides["ours"]))
+    timers: dict[str, Timer] = {}
+    for name, model in sides.items():
+        if name == "transformers":
+            one, many = _generate_timers(model, context, batch_size, args.steps)
+            timers.update({"transformers_1": one, "transformers_n": many})
+        else:
+            rounds = args.rounds + 1
+            timers[name] = _decode_timer(model, context, batch_size, args.steps, rounds)
+    best = _alternate(timers, args.rounds)
+    row: dict[str, Any] = {"batch": batch_size, "context": args.context}
+    kv_bytes, weight_bytes = _decode_bytes(sides["ours"], batch_size, args.context)
+    row["read_mb_per_step"] = (kv_bytes + weight_bytes) / 1e6
+    for name in sides:
+        if name == "transformers":
+            ms = (best["transformers_n"] - best["transformers_1"]) / args.steps * 1e3
+        else:
+            ms = best[name] / args.steps * 1e3
+        row[f"{name}_ms"] = ms
+        row[f"{name}_gb_s"] = row["read_mb_per_step"] / ms
+    return row
+
+
+def _decode_timer(
+    model: CausalLM, context: list[int], batch_size: int, steps: int, rounds: int
+) -> Timer:
+    """Each call: `steps` greedy decode steps of `batch_size` requests sharing no slots."""
+    n = len(context)
+    pool = _pool(model, batch_size * (n + steps * (rounds + 1)))
+    first = pool.alloc(n)
+    model(ForwardBatch.build([context], [np.zeros(0, dtype=np.int64)], [first]), pool)
+    seqs = [first] + [pool.alloc(n) for _ in range(batch_size - 1)]
+    for slots in seqs[1:]:  # the same context, copied into each request's own slots
+        pool.k[:, torch.from_numpy(slots)] = pool.k[:, torch.from_numpy(first)]
+        pool.v[:, torch.from_numpy(slots)] = pool.v[:, torch.from_numpy(first)]
+    tokens = [[context[-1]]] * batch_size
+
+    def decode_steps() -> float:
+        nonlocal seqs, tokens
+        start = time.perf_counter()
+        for _ in range(steps):
+            new = [pool.alloc(1) for _ in range(batch_size)]
+            batch = ForwardBatch.build(tokens, seqs, new)
+            tokens = [[t] for t in model(batch, pool).argmax(-1).tolist()]
+            seqs = [np.concatenate([s, x]) for s, x in zip(seqs, new)]
+        return time.perf_counter() - start
+
+    return decode_steps
+
+
+def _generate_timers(
+    model: Any, context: list[int], batch_size: int, steps: int
+) -> tuple[Timer, Timer]:
+    ids = torch.tensor([context])
+    base = model(ids, use_cache=True, logits_to_keep=1).past_key_values
+    prompt = ids.repeat(batch_size, 1)
+    prompt = torch.cat([prompt, prompt[:, -1:]], dim=1)  # the new token, after the cached C
+
+    def generate(new_tokens: int) -> float:
+        cache = copy.deepcopy(base)
+        cache.batch_repeat_interleave(batch_size)
+        start = time.perf_counter()
+        model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            past_key_values=cache,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+        )
+        return time.perf_counter() - start
+
+    return (lambda: generate(1)), (lambda: generate(steps + 1))
+
+
+def _decode_bytes(model: CausalLM, batch_size: int, context: int) -> tuple[int, int]:
+    """(K/V bytes, weight bytes) one decode step reads: every weight once, K/V of B x C tokens."""
+    c = model.config
+    element = model.model.embed_tokens.weight.element_size()
+    kv = batch_size * (context + 1) * 2 * c.num_layers * c.kv_size * element
+    # The input embedding is only indexed (B rows); a tied lm_head still reads all of it.
+    named = model.named_parameters(remove_duplicate=False)
+    weights = sum(p.numel() for name, p in named if not name.startswith("model.embed_tokens"))
+    return kv, weights * element
+
+
+def _profile(model: CausalLM, context: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    prefill = _prefill_timer(model, "ours", 1024)
+    prefill()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        prefill()
+    print("\n== profile: ours, one prefill of 1024 tokens ==")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
+    decode = _decode_timer(model, _token_ids(context, model.config.vocab_size), 8, 1, 2)
+    decode()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        decode()
+    print(f"\n== profile: ours, one decode step, batch 8, context {context} ==")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
+
+
+def _load_transformers(path: str, dtype: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": DTYPES[dtype], "local_files_only": True}
+    if path.endswith(".gguf"):
+        path, kwargs["gguf_file"] = os.path.split(path)
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model.generation_config.eos_token_id = None  # never stop early
+    return model.eval()
+
+
+def _timed(call: Callable[[], Any]) -> Timer:
+    def timer() -> float:
+        start = time.perf_counter()
+        call()
+        return time.perf_counter() - start
+
+    return timer
+
+
+def _pool(model: CausalLM, num_slots: int) -> KVPool:
+    c, weight = model.config, model.model.embed_tokens.weight
+    return KVPool(num_slots, c.num_layers, c.num_kv_heads, c.head_dim, weight.dtype)
+
+
+def _vocab_size(model: Any) -> int:
+    return int(model.config.vocab_size)
+
+
+def _token_ids(n: int, vocab_size: int) -> list[int]:
+    return np.random.default_rng(n).integers(0, vocab_size, n).tolist()
+
+
+def _print_row(kind: str, row: dict[str, Any]) -> None:
+    cells = (f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+    print(kind, " ".join(cells), flush=True)

@@ -1,0 +1,43 @@
+"""Linear layers on CPU through oneDNN with weights packed once at load time.
+
+`F.linear` re-packs its weight into the GEMM kernel's blocked layout on every call; on CPU that
+costs as much as the multiply itself for decode-sized inputs. oneDNN can keep the weight in
+its blocked layout: `pack_weight` converts a dense (out, in) weight once (an opaque MKLDNN
+tensor with the same logical shape), and `linear` dispatches on it. Measured on the default
+model, 2 AMD EPYC cores: all 30 layers' matmuls at 8 tokens 44 ms -> 18 ms, at 1024 tokens
+2x faster as well (see README "Model runtime"). Results differ from F.linear only by
+summation order (fp32 accumulate).
+
+The ops are PyTorch's own oneDNN bindings (`torch.ops.mkldnn`, the ones its CPU inference
+compiler uses); when they are missing, or off CPU, weights stay dense and F.linear is used.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether weights of `dtype` on `device` can be packed for oneDNN."""
+    return (
+        device.type == "cpu"
+        and dtype in PACKABLE_DTYPES
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Dense (out, in) -> oneDNN blocked layout, same logical shape and dtype."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b for a dense or packed weight."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)

@@ -1,0 +1,211 @@
+"""The Llama-family decoder: one module tree for Llama, SmolLM2, Mistral, Qwen2 and Qwen3.
+
+Parameter names are the Hugging Face ones (`model.layers.3.self_attn.o_proj.weight`), with two
+exceptions made for speed: q/k/v projections are stacked into one `qkv_proj` and gate/up into
+one `gate_up_proj`, so a layer runs 4 matmuls instead of 7. The loader fills them by name
+(see `FUSED_WEIGHTS`). Parameters are allocated uninitialized: a model is always loaded.
+
+Data flow of `CausalLM.forward(batch, pool)`, T new tokens of all requests back to back:
+
+  input_ids (T,) -> embed (T, hidden) -> [layer] x N -> norm of the logits rows -> lm_head
+  layer: h += o_proj(attend(rope(q), rope(k) -> pool, v -> pool)); h += down(silu(gate) * up)
+
+The model holds no state between calls: K/V live in the pool, everything else in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixlm.cache.kv_pool import KVPool
+from radixlm.model import packed_linear
+from radixlm.model.arch import ArchConfig
+from radixlm.model.attention import AttentionPlan, attend
+from radixlm.model.forward_batch import ForwardBatch
+from radixlm.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
+
+# Hugging Face projection name -> (our stacked parameter, index of its block in the stack)
+FUSED_WEIGHTS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), W (out, in), allocated uninitialized (the loader fills it)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        tied_weight: nn.Parameter | None = None,
+    ):
+        super().__init__()
+        if tied_weight is None:
+            tied_weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), False)
+        self.weight = tied_weight
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear.linear(x, self.weight, self.bias)
+
+    def pack(self) -> None:
+        """Hold the weight in oneDNN's blocked layout (see packed_linear); unties a tied one."""
+        self.weight = nn.Parameter(packed_linear.pack_weight(self.weight), False)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, dim, dtype=dtype), False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ArchConfig, dtype: torch.dtype):
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.split_sizes = [c.q_size, c.kv_size, c.kv_size]
+        self.qkv_proj = Linear(c.hidden_size, c.q_size + 2 * c.kv_size, c.qkv_bias, dtype)
+        self.o_proj = Linear(c.q_size, c.hidden_size, c.o_bias, dtype)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        out_slots: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, heads, D)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, kv_heads, D)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, kv_heads, D)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        k_cache, v_cache = kv
+        k_cache.index_copy_(0, out_slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, out_slots, v.to(v_cache.dtype))
+        return self.o_proj(attend(q, k, v, k_cache, v_cache, plan))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ArchConfig, dtype: torch.dtype):
+        super().__init__()
+        self.split_sizes = [config.intermediate_size, config.intermediate_size]
+        bias = config.mlp_bias
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias, dtype)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.split_sizes, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ArchConfig, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        out_slots: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, out_slots, kv, plan)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Decoder(nn.Module):
+    """The Hugging Face `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, config: ArchConfig, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head. `forward(batch, pool)` -> (R, vocab) float32 logits of batch rows."""
+
+    inv_freq: torch.Tensor  # (head_dim / 2,) rope frequencies, a buffer
+
+    def __init__(self, config: ArchConfig, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config, dtype)
+        tied = self.model.embed_tokens.weight if config.tie_word_embeddings else None
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, tied)
+        self.register_buffer(
+            "inv_freq", inverse_frequencies(config.rope, config.head_dim), persistent=False
+        )
+
+    def pack_weights(self) -> bool:
+        """Pack every Linear for oneDNN when the device and dtype allow; True if packed."""
+        weight = self.model.embed_tokens.weight
+        if not packed_linear.can_pack(weight.device, weight.dtype):
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        return True
+
+    def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        self._check_fits(batch, pool)
+        c = self.config
+        plan = AttentionPlan.build(batch, c.num_kv_heads, c.head_dim, pool.dtype)
+        h = self.model.embed_tokens(batch.input_ids)  # (T, hidden)
+        rope = rope_cos_sin(batch.positions, self.inv_freq, h.dtype)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, rope, batch.out_slots, (pool.k_cache(i), pool.v_cache(i)), plan)
+        h = self.model.norm(h.index_select(0, batch.logits_indices))  # (R, hidden)
+        return self.lm_head(h).float()  # (R, vocab)
+
+    def _check_fits(self, batch: ForwardBatch, pool: KVPool) -> None:
+        longest = max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens))
+        if longest > self.config.max_context_len:
+            raise ValueError(
+                f"sequence of {longest} tokens exceeds the model's context of "
+                f"{self.config.max_context_len} tokens"
+            )
+        c = self.config
+        if (pool.num_layers, pool.num_kv_heads, pool.head_dim) != (
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+        ):
+            raise ValueError(
+                f"KV pool shaped for {pool.num_layers} layers x {pool.num_kv_heads} kv heads x "
+                f"{pool.head_dim}, model needs {c.num_layers} x {c.num_kv_heads} x {c.head_dim}"
+            )

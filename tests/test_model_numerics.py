@@ -1,0 +1,128 @@
+"""The decoder's logits equal transformers' (fp32, max abs diff <= 1e-4) for every flag combination.
+
+The reference is always one full forward of the transformers model over the whole sequence; the
+paths under test (prefill, extend on a cached prefix, decode steps, mixed batches) must produce
+the same rows. Slots are handed out in shuffled order, so nothing relies on contiguous KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+import torch
+
+from radixlm.cache.kv_pool import KVPool
+from radixlm.model.forward_batch import ForwardBatch, ForwardMode
+from radixlm.model.loader import load_causal_lm
+from radixlm.model.transformer import CausalLM
+
+TOLERANCE = 1e-4
+SEQ_LEN = 24
+
+
+class Session:
+    """Our model plus a pool; remembers each request's slots like a (trivial) prefix cache."""
+
+    def __init__(self, model: CausalLM, seed: int = 0) -> None:
+        c = model.config
+        self.model = model
+        self.pool = KVPool(512, c.num_layers, c.num_kv_heads, c.head_dim)
+        self.rng = np.random.default_rng(seed)
+
+    def slots(self, n: int) -> np.ndarray:
+        return self.rng.permutation(self.pool.alloc(n))
+
+    def forward(
+        self, new_tokens: Sequence[Sequence[int]], prefixes: Sequence[np.ndarray], all_logits: bool
+    ) -> tuple[torch.Tensor, list[np.ndarray]]:
+        """One forward; returns logits and each request's slots after it (prefix + new)."""
+        new_slots = [self.slots(len(t)) for t in new_tokens]
+        batch = ForwardBatch.build(new_tokens, prefixes, new_slots, all_logits=all_logits)
+        with torch.inference_mode():
+            logits = self.model(batch, self.pool)
+        return logits, [np.concatenate([p, n]) for p, n in zip(prefixes, new_slots)]
+
+    def prefill(self, ids: Sequence[int]) -> np.ndarray:
+        """Compute a prefix into the pool; its slots."""
+        if not ids:
+            return np.zeros(0, dtype=np.int64)
+        _, (slots,) = self.forward([ids], [np.zeros(0, dtype=np.int64)], all_logits=False)
+        return slots
+
+
+def random_ids(n: int, seed: int, vocab_size: int = 256) -> list[int]:
+    return torch.randint(
+        0, vocab_size, (n,), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
+
+
+def reference_logits(reference: torch.nn.Module, ids: Sequence[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return reference(torch.tensor([ids])).logits[0].float()  # (L, vocab)
+
+
+def assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    assert ours.shape == theirs.shape
+    diff = (ours - theirs).abs().max().item()
+    assert diff <= TOLERANCE, f"max abs diff {diff:.2e} > {TOLERANCE:.0e}"
+
+
+@pytest.fixture
+def variant(each_tiny_hf_model):  # type: ignore[no-untyped-def]
+    """(our model, the transformers reference), once per flag combination."""
+    return load_causal_lm(str(each_tiny_hf_model.path)), each_tiny_hf_model.reference
+
+
+def test_full_prefill(variant) -> None:  # type: ignore[no-untyped-def]
+    model, reference = variant
+    ids = random_ids(SEQ_LEN, seed=1)
+    logits, _ = Session(model).forward([ids], [np.zeros(0, np.int64)], all_logits=True)
+    assert_close(logits, reference_logits(reference, ids))
+
+
+@pytest.mark.parametrize("prefix_len", [0, 1, SEQ_LEN // 2, SEQ_LEN - 1])
+def test_extend_on_cached_prefix(variant, prefix_len: int) -> None:  # type: ignore[no-untyped-def]
+    model, reference = variant
+    ids = random_ids(SEQ_LEN, seed=2)
+    session = Session(model)
+    prefix = session.prefill(ids[:prefix_len])
+    logits, _ = session.forward([ids[prefix_len:]], [prefix], all_logits=True)
+    assert_close(logits, reference_logits(reference, ids)[prefix_len:])
+
+
+def test_decode_steps(variant) -> None:  # type: ignore[no-untyped-def]
+    model, reference = variant
+    ids = random_ids(SEQ_LEN, seed=3)
+    expected = reference_logits(reference, ids)
+    session = Session(model)
+    slots = session.prefill(ids[:16])
+    for pos in range(16, SEQ_LEN):
+        logits, (slots,) = session.forward([[ids[pos]]], [slots], all_logits=False)
+        assert_close(logits[0], expected[pos])
+
+
+def test_mixed_batch(variant) -> None:  # type: ignore[no-untyped-def]
+    """One extend batch of requests with different lengths and prefixes, then batched decodes."""
+    model, reference = variant
+    lengths, prefix_lens = [5, 17, 24, 9], [0, 8, 23, 3]
+    seqs = [random_ids(n + 3, seed=10 + i) for i, n in enumerate(lengths)]  # +3 decode steps
+    expected = [reference_logits(reference, s) for s in seqs]
+    session = Session(model)
+    prefixes = [session.prefill(s[:p]) for s, p in zip(seqs, prefix_lens)]
+    new = [s[p:n] for s, p, n in zip(seqs, prefix_lens, lengths)]
+    logits, slots = session.forward(new, prefixes, all_logits=True)
+    rows = logits.split([len(t) for t in new])
+    for got, want, p, n in zip(rows, expected, prefix_lens, lengths):
+        assert_close(got, want[p:n])
+    for step in range(3):
+        step_tokens = [[s[n + step]] for s, n in zip(seqs, lengths)]
+        batch_logits, slots = session.forward(step_tokens, slots, all_logits=False)
+        for got, want, n in zip(batch_logits, expected, lengths):
+            assert_close(got, want[n + step])
+
+
+def test_decode_batch_is_decode_mode() -> None:
+    batch = ForwardBatch.build([[1], [2]], [np.arange(3), np.arange(5)], [[7], [8]])
+    assert batch.mode is ForwardMode.DECODE
