@@ -33,6 +33,7 @@ from radixlm.engine.runner import ModelRunner
 from radixlm.engine.sampler import Sampler, SamplingState, TokenLogprobs
 from radixlm.engine.scheduler import ScheduledRequest, Scheduler
 from radixlm.model.forward_batch import ForwardBatch
+from radixlm.model.loader import LoadProgress
 from radixlm.request import Request, RequestState, SamplingParams, StreamDelta, TokenLogprob
 
 
@@ -61,11 +62,12 @@ class Engine:
         model_config: ModelConfig | None = None,
         cache_config: CacheConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
+        progress: LoadProgress | None = None,  # hears the loading stages (a progress bar)
     ) -> None:
         self.model_config = model_config or ModelConfig()
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
-        self.runner = ModelRunner(self.model_config, self.cache_config)
+        self.runner = ModelRunner(self.model_config, self.cache_config, progress)
         self.tokenizer = self.runner.tokenizer
         self.cache = create_prefix_cache(self.cache_config, self.runner.pool)
         self.scheduler = Scheduler(self.scheduler_config, self.cache)
