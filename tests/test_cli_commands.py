@@ -67,3 +67,16 @@ def test_chat_shows_cached_tokens_and_ttft(
     assert len(status) == 2 and all("TTFT" in line for line in status)
     cached = [int(line.split("[")[1].split("/")[0]) for line in status]
     assert cached[0] == 0 and cached[1] > 0  # the second turn reuses the first
+
+
+def test_loading_reports_progress_per_stage(model: Path) -> None:
+    from radixlm.engine.engine import Engine
+
+    seen: dict[str, tuple[int, int]] = {}
+    Engine(
+        ModelConfig(path=str(model), num_threads=1),
+        CacheConfig(num_slots=256),
+        progress=lambda stage, done, total: seen.__setitem__(stage, (done, total)),
+    )
+    assert list(seen) == ["weights", "packing", "tokenizer", "KV pool"]
+    assert all(done == total > 0 for done, total in seen.values()), seen

@@ -1,6 +1,7 @@
 """The model in this process, for the terminal commands: load it, and run one request on it.
 
-`load_engine` shows a progress display while the model loads (it can take a while on a CPU).
+`load_engine` shows a progress bar per loading stage (weights, tokenizer, KV pool): on a CPU the
+default model takes several seconds to dequantize and its 65,536-slot pool a few GB.
 `run_one` drives the synchronous engine step by step for a single request, handing each piece of
 text to a callback as it is decoded; Ctrl-C aborts the request (its slots come back) and
 re-raises, so `chat` can go back to its prompt.
@@ -35,21 +36,27 @@ class Reply:
 
 
 def load_engine(configs: EngineConfigs) -> Engine:
-    """Build the engine (load the model, allocate the pool) behind a progress display."""
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    """Build the engine (load the model, allocate the pool) behind a progress bar per stage."""
+    from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-    name = configs.model.path or "the default model (SmolLM2-135M-Instruct)"
-    with Progress(
-        SpinnerColumn(),
-        TextColumn("[progress.description]{task.description}"),
-        TimeElapsedColumn(),
-        console=_stderr_console(),
-        transient=True,
-    ) as progress:
-        progress.add_task(f"Loading {name} on {configs.model.device}", total=None)
-        engine = Engine(*configs)
-    capacity = engine.cache.capacity
-    print(f"Loaded {name}: {capacity} KV slots.", file=sys.stderr)
+    name = configs.model.path or "SmolLM2-135M-Instruct (the default model)"
+    print(f"Loading {name} on {configs.model.device}", file=sys.stderr)
+    columns = (
+        TextColumn("{task.description:<12}"),
+        BarColumn(),
+        TextColumn("{task.percentage:>3.0f}%"),
+    )
+    with Progress(*columns, TimeElapsedColumn(), console=_stderr_console()) as bars:
+        tasks: dict[str, TaskID] = {}
+
+        def progress(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bars.add_task(stage, total=total)
+            bars.update(tasks[stage], completed=done, total=total)
+
+        engine = Engine(*configs, progress=progress)
+    pool_gb = engine.runner.pool.bytes_per_slot * engine.cache.capacity / 1e9
+    print(f"Ready: {engine.cache.capacity} KV slots ({pool_gb:.1f} GB).", file=sys.stderr)
     return engine
 
 
