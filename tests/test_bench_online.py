@@ -34,5 +34,6 @@ def test_bench_serve_with_disconnects(tmp_path: Path, capsys: pytest.CaptureFixt
     assert summary["num_ok"] + summary["num_disconnected"] == 18
     assert summary["cached_tokens"] > 0  # later turns extend earlier ones
     assert summary["leaked_slots"] == 0 and summary["accounting_ok"]
+    assert summary["ideal_prefill_tokens"] > 0 and summary["server_prefill_tokens"] > 0
     assert cache["idle"]
     assert "TTFT" in capsys.readouterr().out

@@ -9,8 +9,9 @@ parent waits for it and extends its actual output (multi-turn, tree of thought, 
 A `--disconnect-frac` share of the requests hang up at a random token, as impatient clients do.
 
 Reported: TTFT and inter-token latency p50/p99, throughput, errors by status (5xx counted apart),
-and, when the server is radixlm, its slot accounting once the load is gone (`/v1/cache`): a
-leaked slot would show as in-flight slots left with no request running.
+cached prompt tokens (from `usage`) and the prefill an ideal cache would compute; when the server
+is radixlm, also the prefill it did compute and its slot accounting once the load is gone
+(`/v1/cache`): a leaked slot would show as in-flight slots left with no request running.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ async def run_bench(args: argparse.Namespace, workload: Workload) -> dict[str, A
             else None
             for r in requests
         ]
+        before = await _settled_cache(client, base, args.api_key)
         progress = WorkloadProgress(workload)
         done = [asyncio.Event() for _ in requests]
         records: list[RequestRecord | None] = [None] * len(requests)
@@ -133,6 +135,10 @@ async def run_bench(args: argparse.Namespace, workload: Workload) -> dict[str, A
         cache = await _settled_cache(client, base, args.api_key)
     summary = summarize([r for r in records if r is not None], duration, cache)
     summary["ideal_prefill_tokens"] = ideal_prefill_tokens(progress.completed())
+    if before is not None and cache is not None:  # radixlm: what the engine computed for it
+        summary["server_prefill_tokens"] = (
+            cache["engine_stats"]["prefill_tokens"] - before["engine_stats"]["prefill_tokens"]
+        )
     config = {
         "base_url": base,
         "model": model,

@@ -75,6 +75,11 @@ def format_summary(s: dict[str, Any]) -> str:
         f"cached        {s['cached_tokens']} of {s['prompt_tokens']} prompt tokens of completed "
         f"requests ({s['hit_rate']:.1%})",
     ]
+    if s.get("server_prefill_tokens") is not None:
+        lines.append(
+            f"prefill       {s['server_prefill_tokens']} tokens computed by the server, "
+            f"{s['ideal_prefill_tokens']} for an ideal cache"
+        )
     if s.get("errors_by_status"):
         lines.append(f"errors        {s['errors_by_status']} {s['first_errors']}")
     if s.get("leaked_slots") is not None:
