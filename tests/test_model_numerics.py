@@ -124,6 +124,19 @@ def test_mixed_batch(variant) -> None:  # type: ignore[no-untyped-def]
             assert_close(got, want[n + step])
 
 
+def test_decodes_riding_along_with_a_prefill_chunk(variant) -> None:  # type: ignore[no-untyped-def]
+    """A mixed step: one-token requests on a prefix (batched decode rows) between prefills."""
+    model, reference = variant
+    lengths, prefix_lens = [6, 20, 11, 24, 2], [0, 19, 4, 23, 1]
+    seqs = [random_ids(n, seed=30 + i) for i, n in enumerate(lengths)]
+    session = Session(model)
+    prefixes = [session.prefill(s[:p]) for s, p in zip(seqs, prefix_lens)]
+    new = [s[p:] for s, p in zip(seqs, prefix_lens)]
+    logits, _ = session.forward(new, prefixes, all_logits=False)
+    for got, s in zip(logits, seqs):
+        assert_close(got, reference_logits(reference, s)[-1])
+
+
 def test_decode_batch_with_a_one_token_prompt(variant) -> None:  # type: ignore[no-untyped-def]
     """A decode step may hold a request with nothing cached yet next to a long one."""
     model, reference = variant
