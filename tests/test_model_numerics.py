@@ -20,6 +20,7 @@ from radixlm.model.transformer import CausalLM
 
 TOLERANCE = 1e-4
 SEQ_LEN = 24
+EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class Session:
@@ -47,8 +48,8 @@ class Session:
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         """Compute a prefix into the pool; its slots."""
         if not ids:
-            return np.zeros(0, dtype=np.int64)
-        _, (slots,) = self.forward([ids], [np.zeros(0, dtype=np.int64)], all_logits=False)
+            return EMPTY
+        _, (slots,) = self.forward([ids], [EMPTY], all_logits=False)
         return slots
 
 
@@ -78,7 +79,7 @@ def variant(each_tiny_hf_model):  # type: ignore[no-untyped-def]
 def test_full_prefill(variant) -> None:  # type: ignore[no-untyped-def]
     model, reference = variant
     ids = random_ids(SEQ_LEN, seed=1)
-    logits, _ = Session(model).forward([ids], [np.zeros(0, np.int64)], all_logits=True)
+    logits, _ = Session(model).forward([ids], [EMPTY], all_logits=True)
     assert_close(logits, reference_logits(reference, ids))
 
 
@@ -121,6 +122,30 @@ def test_mixed_batch(variant) -> None:  # type: ignore[no-untyped-def]
         batch_logits, slots = session.forward(step_tokens, slots, all_logits=False)
         for got, want, n in zip(batch_logits, expected, lengths):
             assert_close(got, want[n + step])
+
+
+def test_decodes_riding_along_with_a_prefill_chunk(variant) -> None:  # type: ignore[no-untyped-def]
+    """A mixed step: one-token requests on a prefix (batched decode rows) between prefills."""
+    model, reference = variant
+    lengths, prefix_lens = [6, 20, 11, 24, 2], [0, 19, 4, 23, 1]
+    seqs = [random_ids(n, seed=30 + i) for i, n in enumerate(lengths)]
+    session = Session(model)
+    prefixes = [session.prefill(s[:p]) for s, p in zip(seqs, prefix_lens)]
+    new = [s[p:] for s, p in zip(seqs, prefix_lens)]
+    logits, _ = session.forward(new, prefixes, all_logits=False)
+    for got, s in zip(logits, seqs):
+        assert_close(got, reference_logits(reference, s)[-1])
+
+
+def test_decode_batch_with_a_one_token_prompt(variant) -> None:  # type: ignore[no-untyped-def]
+    """A decode step may hold a request with nothing cached yet next to a long one."""
+    model, reference = variant
+    short, long = random_ids(1, seed=20), random_ids(SEQ_LEN, seed=21)
+    session = Session(model)
+    long_prefix = session.prefill(long[:-1])
+    logits, _ = session.forward([short, long[-1:]], [EMPTY, long_prefix], all_logits=False)
+    assert_close(logits[0], reference_logits(reference, short)[0])
+    assert_close(logits[1], reference_logits(reference, long)[-1])
 
 
 def test_decode_batch_is_decode_mode() -> None:

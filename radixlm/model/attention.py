@@ -4,13 +4,15 @@
 buffers that every layer reuses (built once per forward, never per layer). `attend(...)` then
 runs one layer:
 
-  extend  one SDPA call per request. Its queries are its new tokens; its keys are the K/V of
-          all its seq_slots gathered from the pool (prefix + new). With a prefix, query i of
-          e new tokens sees keys 0 .. prefix_len + i (a causal mask shifted right by the
-          prefix); without one, plain `is_causal` on the fresh K/V, no gather.
-  decode  one SDPA call for the whole batch. Slots are gathered into a padded (B, L_max)
-          layout; a length mask hides the padding. GQA needs no repeated K/V: the query heads
-          sharing a KV head are folded into the query-length axis, (B, kv_heads, group, D).
+  extend  one SDPA call per multi-token request. Its queries are its new tokens; its keys are
+          the K/V of all its seq_slots gathered from the pool (prefix + new). With a prefix,
+          query i of e new tokens sees keys 0 .. prefix_len + i (a causal mask shifted right
+          by the prefix); without one, plain `is_causal` on the fresh K/V, no gather.
+  decode  one SDPA call for every one-token request on a prefix: a whole decode step, or the
+          decodes that ride along with a prefill chunk in a mixed step. Slots are gathered into
+          a padded (B, L_max) layout; a length mask hides the padding. GQA needs no repeated
+          K/V: the query heads sharing a KV head are folded into the query-length axis,
+          (B, kv_heads, group, D).
 
 Gathers read the pool as rows of one head, (num_slots * kv_heads, D), so the gathered K/V come
 out contiguous in SDPA's (batch, kv_heads, len, D) order, into buffers reused by every layer
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixlm.model.forward_batch import ForwardBatch, ForwardMode
+from radixlm.model.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)
@@ -40,14 +42,23 @@ class ExtendSpan:
 
 
 @dataclass(frozen=True)
-class AttentionPlan:
-    """Per-forward attention layout, shared by all layers."""
+class DecodeGroup:
+    """Requests with one new token on top of a prefix, attended in one padded SDPA call."""
 
-    mode: ForwardMode
-    spans: list[ExtendSpan]  # extend only
-    gather_rows: torch.Tensor | None  # decode: (B * kv_heads * L_max,) head rows; pads -> row 0
-    max_seq_len: int  # decode only: L_max
-    length_mask: torch.Tensor | None  # decode only: (B, 1, 1, L_max) bool; None if no padding
+    token_rows: torch.Tensor | None  # (B,) their rows among the T new tokens; None = all, in order
+    gather_rows: torch.Tensor  # (B * kv_heads * L_max,) head rows; pads -> row 0
+    max_seq_len: int  # L_max
+    length_mask: torch.Tensor | None  # (B, 1, 1, L_max) bool; None if no padding
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Per-forward attention layout, shared by all layers. A decode step is one DecodeGroup; an
+    extend step has a span per multi-token request, and its one-token requests (decodes riding
+    along with a prefill chunk) form a DecodeGroup of their own."""
+
+    spans: list[ExtendSpan]
+    decode: DecodeGroup | None
     k_buffer: torch.Tensor  # (rows, D) gather destination, reused by every layer
     v_buffer: torch.Tensor
 
@@ -57,36 +68,55 @@ class AttentionPlan:
     ) -> AttentionPlan:
         device = batch.input_ids.device
         spans: list[ExtendSpan] = []
-        gather_rows, length_mask, max_len = None, None, 0
-        if batch.mode is ForwardMode.DECODE:
-            seq_lens = [p + 1 for p in batch.prefix_lens]
-            max_len = max(seq_lens)
-            padded = torch.nn.utils.rnn.pad_sequence(batch.seq_slots, batch_first=True)
-            gather_rows = head_rows(padded, num_kv_heads)  # (B * kv * L_max,)
-            num_rows = gather_rows.numel()
-            if min(seq_lens) != max_len:
-                lens = torch.tensor(seq_lens, device=device)
-                keep = torch.arange(max_len, device=device)[None, :] < lens[:, None]  # (B, L)
-                length_mask = keep[:, None, None, :]  # (B, 1, 1, L_max)
-        else:
-            spans, start = [], 0
-            for slots, prefix_len, extend_len in zip(
-                batch.seq_slots, batch.prefix_lens, batch.extend_lens
-            ):
-                seq_len = prefix_len + extend_len
-                rows, mask = None, None
-                if prefix_len > 0:
-                    rows = head_rows(slots, num_kv_heads)  # (kv * seq_len,)
-                    query_pos = torch.arange(extend_len, device=device)[:, None] + prefix_len
-                    mask = torch.arange(seq_len, device=device)[None, :] <= query_pos
-                spans.append(ExtendSpan(start, start + extend_len, seq_len, rows, mask))
-                start += extend_len
-            num_rows = max(
-                (s.gather_rows.numel() for s in spans if s.gather_rows is not None), default=0
-            )
+        one_token: list[int] = []  # requests that go to the decode group
+        start = 0
+        for i, (slots, prefix_len, extend_len) in enumerate(
+            zip(batch.seq_slots, batch.prefix_lens, batch.extend_lens)
+        ):
+            if extend_len == 1 and prefix_len > 0:
+                one_token.append(i)
+            else:
+                spans.append(_extend_span(slots, prefix_len, extend_len, start, num_kv_heads))
+            start += extend_len
+        decode = None
+        if one_token:
+            decode = _decode_group(batch, one_token, num_kv_heads)
+        num_rows = max(
+            [s.gather_rows.numel() for s in spans if s.gather_rows is not None]
+            + [decode.gather_rows.numel() if decode else 0]
+        )
         k_buffer = torch.empty(num_rows, head_dim, dtype=kv_dtype, device=device)
         v_buffer = torch.empty_like(k_buffer)
-        return cls(batch.mode, spans, gather_rows, max_len, length_mask, k_buffer, v_buffer)
+        return cls(spans, decode, k_buffer, v_buffer)
+
+
+def _extend_span(
+    slots: torch.Tensor, prefix_len: int, extend_len: int, start: int, num_kv_heads: int
+) -> ExtendSpan:
+    seq_len = prefix_len + extend_len
+    rows, mask = None, None
+    if prefix_len > 0:
+        rows = head_rows(slots, num_kv_heads)  # (kv * seq_len,)
+        query_pos = torch.arange(extend_len, device=slots.device)[:, None] + prefix_len
+        mask = torch.arange(seq_len, device=slots.device)[None, :] <= query_pos
+    return ExtendSpan(start, start + extend_len, seq_len, rows, mask)
+
+
+def _decode_group(batch: ForwardBatch, members: list[int], num_kv_heads: int) -> DecodeGroup:
+    device = batch.input_ids.device
+    seq_lens = [batch.prefix_lens[i] + 1 for i in members]
+    max_len = max(seq_lens)
+    padded = torch.nn.utils.rnn.pad_sequence([batch.seq_slots[i] for i in members], True)
+    length_mask = None
+    if min(seq_lens) != max_len:
+        lens = torch.tensor(seq_lens, device=device)
+        keep = torch.arange(max_len, device=device)[None, :] < lens[:, None]  # (B, L)
+        length_mask = keep[:, None, None, :]  # (B, 1, 1, L_max)
+    token_rows = None
+    if len(members) != batch.batch_size:  # a mixed batch: pick the members' rows out of T
+        ends = torch.tensor(batch.extend_lens, device=device).cumsum(0)
+        token_rows = ends[members] - 1
+    return DecodeGroup(token_rows, head_rows(padded, num_kv_heads), max_len, length_mask)
 
 
 def head_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -110,11 +140,14 @@ def attend(
 
     k_cache / v_cache: this layer's pool views (num_slots, kv_heads, D), already holding k, v.
     """
-    if plan.mode is ForwardMode.DECODE:
-        return _decode(q, k_cache, v_cache, plan)
+    group = plan.decode
+    if group is not None and group.token_rows is None:  # a pure decode step
+        return _decode(q, k_cache, v_cache, plan, group)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
     for span in plan.spans:
         out[span.start : span.end] = _extend_one(q, k, v, k_cache, v_cache, plan, span)
+    if group is not None:
+        out[group.token_rows] = _decode(q[group.token_rows], k_cache, v_cache, plan, group)
     return out
 
 
@@ -143,16 +176,20 @@ def _extend_one(
 
 
 def _decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: AttentionPlan,
+    group: DecodeGroup,
 ) -> torch.Tensor:
+    """q (B, heads, D): one query per request of the group -> (B, heads * D)."""
     batch_size, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    assert plan.gather_rows is not None
-    shape = (batch_size, num_kv_heads, plan.max_seq_len, head_dim)
-    ks = _gather(k_cache, plan.gather_rows, plan.k_buffer).view(shape).to(q.dtype)  # (B,kv,L,D)
-    vs = _gather(v_cache, plan.gather_rows, plan.v_buffer).view(shape).to(q.dtype)
-    qs = q.view(batch_size, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, kv, G, D)
-    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=plan.length_mask)  # (B, kv, G, D)
+    shape = (batch_size, num_kv_heads, group.max_seq_len, head_dim)
+    ks = _gather(k_cache, group.gather_rows, plan.k_buffer).view(shape).to(q.dtype)  # (B,kv,L,D)
+    vs = _gather(v_cache, group.gather_rows, plan.v_buffer).view(shape).to(q.dtype)
+    qs = q.reshape(batch_size, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B,kv,G,D)
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=group.length_mask)  # (B,kv,G,D)
     return o.reshape(batch_size, num_heads * head_dim)
 
 

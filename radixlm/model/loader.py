@@ -177,7 +177,10 @@ def _resolve(model: CausalLM, name: str) -> tuple[str, slice]:
 def _read_hf_config(path: str) -> dict[str, Any]:
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
-        raise FileNotFoundError(f"{path} has no config.json (not a Hugging Face model directory)")
+        raise FileNotFoundError(
+            f"{path} has no config.json (not a Hugging Face model directory; for a GGUF model "
+            "pass the .gguf file itself)"
+        )
     with open(config_file) as f:
         config: dict[str, Any] = json.load(f)
     generation_file = os.path.join(path, "generation_config.json")

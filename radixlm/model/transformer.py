@@ -193,19 +193,16 @@ class CausalLM(nn.Module):
         return self.lm_head(h).float()  # (R, vocab)
 
     def _check_fits(self, batch: ForwardBatch, pool: KVPool) -> None:
+        c = self.config
         longest = max(p + e for p, e in zip(batch.prefix_lens, batch.extend_lens))
-        if longest > self.config.max_context_len:
+        if longest > c.max_context_len:
             raise ValueError(
                 f"sequence of {longest} tokens exceeds the model's context of "
-                f"{self.config.max_context_len} tokens"
+                f"{c.max_context_len} tokens"
             )
-        c = self.config
-        if (pool.num_layers, pool.num_kv_heads, pool.head_dim) != (
-            c.num_layers,
-            c.num_kv_heads,
-            c.head_dim,
-        ):
+        pool_shape = (pool.num_layers, pool.num_kv_heads, pool.head_dim)
+        if pool_shape != (c.num_layers, c.num_kv_heads, c.head_dim):
             raise ValueError(
-                f"KV pool shaped for {pool.num_layers} layers x {pool.num_kv_heads} kv heads x "
-                f"{pool.head_dim}, model needs {c.num_layers} x {c.num_kv_heads} x {c.head_dim}"
+                f"KV pool shaped (layers, kv_heads, head_dim) = {pool_shape}, the model needs "
+                f"{(c.num_layers, c.num_kv_heads, c.head_dim)}"
             )

