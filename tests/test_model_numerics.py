@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from radixlm.cache.kv_pool import KVPool
+from radixlm.model import shared_prefix
 from radixlm.model.forward_batch import ForwardBatch, ForwardMode
 from radixlm.model.loader import load_causal_lm
 from radixlm.model.shared_prefix import find_shared_prefixes
@@ -138,9 +139,12 @@ def test_decodes_riding_along_with_a_prefill_chunk(variant) -> None:  # type: ig
         assert_close(got, reference_logits(reference, s)[-1])
 
 
-def test_decode_requests_sharing_prefix_slots(variant) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("fused", [True, False], ids=["flash-lse", "explicit-lse"])
+def test_decode_requests_sharing_prefix_slots(variant, fused, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Requests on the same cached prefix slots (as the radix tree hands them out): the shared
     run is attended once for the group, the rest per request, and the logits do not move."""
+    if not fused:
+        monkeypatch.setattr(shared_prefix, "_FLASH_WITH_LSE", None)
     model, reference = variant
     prefix = random_ids(40, seed=40)
     tails = [random_ids(2 + 3 * i, seed=41 + i) for i in range(3)]
@@ -150,7 +154,10 @@ def test_decode_requests_sharing_prefix_slots(variant) -> None:  # type: ignore[
     _, slots = session.forward([t[:-1] for t in tails], [shared] * 3, all_logits=False)
     alone_slots = session.prefill(alone[:-1])
     steps = [[t[-1]] for t in tails] + [alone[-1:]]
-    logits, _ = session.forward(steps, [*slots, alone_slots], all_logits=False)
+    batch_slots = [*slots, alone_slots]
+    split = shared_prefix.plan_shared_decode([torch.from_numpy(s) for s in batch_slots], 1)
+    assert split is not None and split.grouped.tolist() == [0, 1, 2]  # the split is taken
+    logits, _ = session.forward(steps, batch_slots, all_logits=False)
     for got, ids in zip(logits, [prefix + t for t in tails] + [alone]):
         assert_close(got, reference_logits(reference, ids)[-1])
 

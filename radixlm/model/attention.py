@@ -12,11 +12,10 @@ runs one layer:
           decodes that ride along with a prefill chunk in a mixed step. Slots are gathered into
           a padded (B, L_max) layout; a length mask hides the padding. GQA needs no repeated
           K/V: the query heads sharing a KV head are folded into the query-length axis,
-          (B, kv_heads, group, D).
+          (B, kv_heads, group, D). When several requests share a long run of prefix slots,
+          the run is read once for all of them (shared_prefix.py).
 
-Gathers read the pool as rows of one head, (num_slots * kv_heads, D), so the gathered K/V come
-out contiguous in SDPA's (batch, kv_heads, len, D) order, into buffers reused by every layer
-(a fresh 24 MB tensor per layer costs more in page faults than the copy itself).
+Gathers (kv_gather.py) write into two buffers allocated here once per forward.
 The caller has already written the new tokens' K/V into `batch.out_slots` of this layer.
 """
 
@@ -28,13 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from radixlm.model.forward_batch import ForwardBatch
-from radixlm.model.shared_prefix import (
-    SharedPrefix,
-    attention_with_lse,
-    find_shared_prefixes,
-    merge,
-    suffix_slots,
-)
+from radixlm.model.kv_gather import PaddedRuns, gather_rows, head_rows
+from radixlm.model.shared_prefix import SharedDecode, plan_shared_decode, shared_decode_attention
 
 
 @dataclass(frozen=True)
@@ -50,15 +44,17 @@ class ExtendSpan:
 
 @dataclass(frozen=True)
 class DecodeGroup:
-    """Requests with one new token on top of a prefix, attended in one padded call; runs of
-    slots that several of them share are attended once for all (see shared_prefix.py), and
-    `gather_rows` then covers each request's own slots after its shared run."""
+    """Requests with one new token on top of a prefix, attended together: one padded call, or
+    the shared-prefix split when several of them share a long run of slots."""
 
     token_rows: torch.Tensor | None  # (B,) their rows among the T new tokens; None = all, in order
-    gather_rows: torch.Tensor  # (B * kv_heads * L_max,) head rows; pads -> row 0
-    max_seq_len: int  # L_max
-    length_mask: torch.Tensor | None  # (B, 1, 1, L_max) bool; None if no padding
-    shared: list[SharedPrefix]
+    plain: PaddedRuns  # every member's whole slot list
+    shared: SharedDecode | None  # the split, when it reads clearly fewer K/V rows
+
+    @property
+    def max_rows(self) -> int:
+        rows = self.plain.gather_rows.numel()
+        return rows if self.shared is None else max(rows, self.shared.max_rows)
 
 
 @dataclass(frozen=True)
@@ -88,14 +84,11 @@ class AttentionPlan:
             else:
                 spans.append(_extend_span(slots, prefix_len, extend_len, start, num_kv_heads))
             start += extend_len
-        decode = None
-        if one_token:
-            decode = _decode_group(batch, one_token, num_kv_heads)
+        decode = _decode_group(batch, one_token, num_kv_heads) if one_token else None
         num_rows = max(
             [0]
             + [s.gather_rows.numel() for s in spans if s.gather_rows is not None]
-            + ([decode.gather_rows.numel()] if decode else [])
-            + ([sp.gather_rows.numel() for sp in decode.shared] if decode else [])
+            + ([decode.max_rows] if decode else [])
         )
         k_buffer = torch.empty(num_rows, head_dim, dtype=kv_dtype, device=device)
         v_buffer = torch.empty_like(k_buffer)
@@ -117,39 +110,12 @@ def _extend_span(
 def _decode_group(batch: ForwardBatch, members: list[int], num_kv_heads: int) -> DecodeGroup:
     device = batch.input_ids.device
     slot_lists = [batch.seq_slots[i] for i in members]
-    groups = find_shared_prefixes(slot_lists) if device.type == "cpu" else []
-    shared = [
-        SharedPrefix(
-            torch.tensor(group, device=device),
-            length,
-            head_rows(slot_lists[group[0]][:length], num_kv_heads),
-        )
-        for group, length in groups
-    ]
-    own = suffix_slots(slot_lists, groups)
-    seq_lens = [len(s) for s in own]
-    max_len = max(seq_lens)
-    padded = torch.nn.utils.rnn.pad_sequence(own, batch_first=True)
-    length_mask = None
-    if min(seq_lens) != max_len:
-        lens = torch.tensor(seq_lens, device=device)
-        keep = torch.arange(max_len, device=device)[None, :] < lens[:, None]  # (B, L)
-        length_mask = keep[:, None, None, :]  # (B, 1, 1, L_max)
     token_rows = None
     if len(members) != batch.batch_size:  # a mixed batch: pick the members' rows out of T
         ends = torch.tensor(batch.extend_lens, device=device).cumsum(0)
         token_rows = ends[members] - 1
-    rows = head_rows(padded, num_kv_heads)
-    return DecodeGroup(token_rows, rows, max_len, length_mask, shared)
-
-
-def head_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """Rows of the pool viewed as (num_slots * kv_heads, D) for slots (..., L), head-major.
-
-    Row `slot * kv_heads + h` holds head h of a slot; the result is ordered (..., kv_heads, L).
-    """
-    heads = torch.arange(num_kv_heads, device=slots.device)[:, None]  # (kv, 1)
-    return (slots.unsqueeze(-2) * num_kv_heads + heads).reshape(-1)  # (... * kv * L,)
+    shared = plan_shared_decode(slot_lists, num_kv_heads) if device.type == "cpu" else None
+    return DecodeGroup(token_rows, PaddedRuns.of(slot_lists, num_kv_heads), shared)
 
 
 def attend(
@@ -193,8 +159,8 @@ def _extend_one(
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
     else:
         shape = (1, k.shape[1], span.seq_len, k.shape[2])
-        ks = _gather(k_cache, span.gather_rows, plan.k_buffer).view(shape).to(q.dtype)
-        vs = _gather(v_cache, span.gather_rows, plan.v_buffer).view(shape).to(q.dtype)
+        ks = gather_rows(k_cache, span.gather_rows, plan.k_buffer).view(shape).to(q.dtype)
+        vs = gather_rows(v_cache, span.gather_rows, plan.v_buffer).view(shape).to(q.dtype)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, enable_gqa=True)
     return o[0].transpose(0, 1).reshape(qs.shape[2], -1)  # (e, heads * D)
 
@@ -209,30 +175,13 @@ def _decode(
     """q (B, heads, D): one query per request of the group -> (B, heads * D)."""
     batch_size, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    group_size = num_heads // num_kv_heads
-    shape = (batch_size, num_kv_heads, group.max_seq_len, head_dim)
-    ks = _gather(k_cache, group.gather_rows, plan.k_buffer).view(shape).to(q.dtype)  # (B,kv,L,D)
-    vs = _gather(v_cache, group.gather_rows, plan.v_buffer).view(shape).to(q.dtype)
-    qs = q.reshape(batch_size, num_kv_heads, group_size, head_dim)  # (B, kv, G, D)
-    if not group.shared:
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=group.length_mask)  # (B,kv,G,D)
-        return o.reshape(batch_size, num_heads * head_dim)
-    o, lse = attention_with_lse(qs, ks, vs, group.length_mask)  # own slots: (B,kv,G,D), (B,kv,G)
-    for run in group.shared:  # the buffers are free again: the own part is computed
-        n = run.members.numel()
-        run_shape = (1, num_kv_heads, run.length, head_dim)
-        kp = _gather(k_cache, run.gather_rows, plan.k_buffer).view(run_shape).to(q.dtype)
-        vp = _gather(v_cache, run.gather_rows, plan.v_buffer).view(run_shape).to(q.dtype)
-        qg = qs[run.members].transpose(0, 1).reshape(1, num_kv_heads, n * group_size, head_dim)
-        op, lp = attention_with_lse(qg, kp, vp, None)  # (1, kv, n*G, D), (1, kv, n*G)
-        op = op.view(num_kv_heads, n, group_size, head_dim).transpose(0, 1)  # (n, kv, G, D)
-        lp = lp.view(num_kv_heads, n, group_size).transpose(0, 1)  # (n, kv, G)
-        o[run.members] = merge(op, lp, o[run.members], lse[run.members])
+    qs = q.reshape(batch_size, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B,kv,G,D)
+    if group.shared is not None:
+        buffers = (plan.k_buffer, plan.v_buffer)
+        o = shared_decode_attention(qs, k_cache, v_cache, group.shared, buffers)
+    else:
+        runs = group.plain
+        ks = runs.gather(k_cache, plan.k_buffer, q.dtype)  # (B, kv, L, D)
+        vs = runs.gather(v_cache, plan.v_buffer, q.dtype)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=runs.key_mask)  # (B,kv,G,D)
     return o.reshape(batch_size, num_heads * head_dim)
-
-
-def _gather(cache: torch.Tensor, rows: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """cache (num_slots, kv, D) -> its head rows `rows`, written into the front of `buffer`."""
-    out = buffer[: rows.numel()]
-    torch.index_select(cache.view(-1, cache.shape[-1]), 0, rows, out=out)
-    return out
