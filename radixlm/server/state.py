@@ -1,0 +1,73 @@
+"""What every route of one app shares: the engine, the server config, the model's limits, metrics.
+
+The limits are read once when the app is built. They are fixed at engine construction (the
+model's context and vocabulary, the pool's size), so reading them outside the engine thread is
+safe; everything that changes while serving is read through `AsyncEngine.call`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from radixlm.config import ServerConfig
+from radixlm.engine.async_engine import AsyncEngine
+from radixlm.server.generation import Generation
+from radixlm.server.metrics import ServerMetrics
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    max_context_len: int  # prompt + output tokens of one sequence
+    num_slots: int  # KV slots in the pool: one sequence can never hold more
+    vocab_size: int
+
+    @property
+    def max_seq_len(self) -> int:
+        return min(self.max_context_len, self.num_slots)
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    config: ServerConfig
+    model_name: str
+    limits: ModelLimits
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    created: int = field(default_factory=lambda: int(time.time()))
+    generations: set[Generation] = field(default_factory=set)  # requests being served now
+
+    @classmethod
+    def build(cls, engine: AsyncEngine, config: ServerConfig) -> ServerState:
+        core = engine.engine
+        limits = ModelLimits(
+            max_context_len=int(core.runner.max_context_len),
+            num_slots=int(core.cache.capacity),
+            vocab_size=int(core.runner.vocab_size),
+        )
+        return cls(engine, config, config.model_name or served_name(core.model_config.path), limits)
+
+    def abort_all(self) -> None:
+        """Abort every request being served (at shutdown): streams end, connections close.
+        Non-blocking and safe from a signal handler."""
+        for gen in list(self.generations):
+            gen.abort()
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text for logprobs, special tokens included (decode() would drop them)."""
+        tokenizer = self.engine.tokenizer
+        hf = getattr(tokenizer, "hf_tokenizer", None)
+        if hf is not None:
+            return str(hf.decode([token_id], skip_special_tokens=False))
+        return str(tokenizer.decode([token_id]))
+
+
+def served_name(model_path: str | None) -> str:
+    """The model id /v1/models reports: the file or directory name, without a GGUF suffix."""
+    if model_path is None:
+        return DEFAULT_MODEL_NAME
+    name = Path(model_path.rstrip("/")).name
+    return name.removesuffix(".gguf") or model_path

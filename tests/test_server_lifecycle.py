@@ -1,0 +1,149 @@
+"""The server under stress: clients that hang up, a full waiting queue, a long prefill.
+
+Each scenario ends with the slot accounting at idle: no request left, nothing in flight, and
+`free + tree == capacity`, read from /v1/cache.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from live_server import LiveServer, live_server, save_tiny_chat_model
+
+from radixlm.config import CacheConfig, SchedulerConfig
+
+pytestmark = pytest.mark.timeout(180)
+
+LONG = {"max_tokens": 900, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-lifecycle"))
+
+
+@pytest.fixture(scope="module")
+def server(model: Path) -> Iterator[LiveServer]:
+    with live_server(model) as live:
+        yield live
+
+
+def _assert_idle(server: LiveServer) -> dict[str, Any]:
+    cache = server.wait_idle()
+    assert cache["num_unfinished"] == 0 and cache["num_in_flight"] == 0, cache
+    assert cache["num_free"] + cache["num_tree_tokens"] == cache["capacity"], cache
+    assert cache["integrity"] == "ok", cache
+    return cache
+
+
+def test_stream_cut_midway_returns_every_slot(server: LiveServer) -> None:
+    aborted = _assert_idle(server)["engine_stats"]["aborted_requests"]
+    body = {"prompt": "a stream that will be cut", "stream": True, **LONG}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        chunks = 0
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                chunks += 1
+            if chunks == 5:
+                break  # leaving the block closes the connection mid-stream
+    cache = _assert_idle(server)
+    assert cache["engine_stats"]["aborted_requests"] == aborted + 1
+
+
+def test_non_streaming_client_that_gives_up_is_aborted(server: LiveServer) -> None:
+    aborted = _assert_idle(server)["engine_stats"]["aborted_requests"]
+    with pytest.raises(httpx.ReadTimeout):
+        server.post("/v1/completions", json={"prompt": "impatient", **LONG}, timeout=0.3)
+    cache = _assert_idle(server)
+    assert cache["engine_stats"]["aborted_requests"] == aborted + 1
+
+
+def test_many_streams_cut_at_random_points(server: LiveServer) -> None:
+    def cut_after(k: int) -> None:
+        body = {"prompt": f"stream {k}", "stream": True, "n": 1 + k % 2, **LONG}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= 2 * k:
+                    break
+
+    threads = [threading.Thread(target=cut_after, args=(k,)) for k in range(1, 9)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    _assert_idle(server)
+
+
+def test_full_waiting_queue_is_a_503_with_retry_after(model: Path) -> None:
+    scheduler = SchedulerConfig(max_running_requests=1, max_waiting_requests=1)
+    with live_server(model, cache=CacheConfig(num_slots=4096), scheduler=scheduler) as server:
+        body = {"prompt": "first", "stream": True, **LONG}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as first:
+            assert first.status_code == 200  # headers come with the first token: it runs
+            waiting = threading.Thread(
+                target=lambda: server.post(
+                    "/v1/completions", json={"prompt": "second", "max_tokens": 20}
+                ),
+                daemon=True,
+            )
+            waiting.start()
+            deadline = time.monotonic() + 20
+            while server.cache()["num_waiting"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            third = server.post("/v1/completions", json={"prompt": "third", "max_tokens": 2})
+            assert third.status_code == 503, third.text
+            assert third.headers["Retry-After"] == "1"
+            assert third.json()["error"]["code"] == "queue_full"
+        waiting.join(timeout=60)  # the first was cut: the second runs now
+        _assert_idle(server)
+
+
+def test_health_answers_fast_during_a_long_prefill(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    path = save_tiny_chat_model(
+        tmp_path_factory.mktemp("wider"), context_len=4096, hidden=256, num_layers=4
+    )
+    scheduler = SchedulerConfig(chunk_size=4096, max_batch_tokens=4096)
+    with live_server(path, cache=CacheConfig(num_slots=8192), scheduler=scheduler) as server:
+        prompt = list(range(3, 259)) * 15  # 3840 tokens in one prefill step
+        result: dict[str, float] = {}
+
+        def long_request() -> None:
+            start = time.perf_counter()
+            server.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+            result["seconds"] = time.perf_counter() - start
+
+        worker = threading.Thread(target=long_request)
+        worker.start()
+        latencies = []
+        with httpx.Client(base_url=server.url, timeout=10) as probe:
+            while worker.is_alive():
+                start = time.perf_counter()
+                assert probe.get("/health").status_code == 200
+                latencies.append(time.perf_counter() - start)
+                time.sleep(0.01)
+        worker.join()
+        assert result["seconds"] > 0.3, "the prefill was too quick to test anything"
+        assert len(latencies) >= 5
+        assert max(latencies) < 0.1, (max(latencies), result)
+        _assert_idle(server)
+
+
+def test_sse_format(server: LiveServer) -> None:
+    body = {"prompt": "format", "stream": True, "max_tokens": 3, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
