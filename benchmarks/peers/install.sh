@@ -46,15 +46,16 @@ step_llama() {
   fi
   "$LLAMA_SERVER" --version 2>&1 | grep -i version
   [ -x "$LLAMA_VENV/bin/python" ] || python3 -m venv "$LLAMA_VENV"
-  if ! "$LLAMA_VENV/bin/python" -c "import llama_cpp.server" 2>/dev/null; then
+  if ! "$LLAMA_VENV/bin/pip" show llama_cpp_python >/dev/null 2>&1; then
     CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $NICE "$LLAMA_VENV/bin/pip" install -q \
       "$sdist[server]" > "$PEERS_CACHE/logs/llama_cpp_python_install.log" 2>&1
-    local lib
-    lib=$("$LLAMA_VENV/bin/python" -c \
-      "import importlib.util as u; print(u.find_spec('llama_cpp').submodule_search_locations[0])")/lib
-    mkdir -p "$lib"
-    ln -sf "$LLAMA_BUILD"/bin/lib*.so* "$lib/"
   fi
+  # The package loads libllama / libggml* from its lib/ folder: point it at our build.
+  local lib
+  lib=$("$LLAMA_VENV/bin/python" -c \
+    "import importlib.util as u; print(u.find_spec('llama_cpp').submodule_search_locations[0])")/lib
+  mkdir -p "$lib"
+  ln -sf "$LLAMA_BUILD"/bin/lib*.so* "$lib/"
   "$LLAMA_VENV/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
 }
 
@@ -72,14 +73,12 @@ step_vllm() {
 }
 
 step_hf() {
-  # transformers venv: the offline floor, and the GGUF -> fp32 HF directory that vLLM serves.
-  [ -x "$HF_VENV/bin/python" ] || python3 -m venv "$HF_VENV"
-  "$HF_VENV/bin/python" -c "import torch, transformers, gguf, accelerate" 2>/dev/null || \
-    $NICE "$HF_VENV/bin/pip" install -q torch==2.13.0 "transformers==$TRANSFORMERS_VER" \
-      gguf accelerate safetensors > "$PEERS_CACHE/logs/hf_install.log" 2>&1
+  # transformers (the offline floor) runs in the repo's own .venv (`make typecheck` builds it:
+  # transformers, accelerate, gguf are dev dependencies); it converts the GGUF to the fp32 Hugging
+  # Face directory that vLLM serves.
   [ -f "$HF_DIR/model.safetensors" ] || \
-    $NICE "$HF_VENV/bin/python" "$HERE/gguf_to_hf.py" "$GGUF" "$HF_DIR"
-  "$HF_VENV/bin/python" -c "import transformers; print('transformers', transformers.__version__)"
+    $NICE "$REPO_PY" "$HERE/gguf_to_hf.py" "$GGUF" "$HF_DIR"
+  "$REPO_PY" -c "import transformers; print('transformers', transformers.__version__)"
 }
 
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(model llama vllm hf)
