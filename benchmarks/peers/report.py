@@ -16,6 +16,8 @@ from typing import Any
 
 from engines import ENGINES, HERE, WORKLOADS
 
+# servers whose usage carries no cached-token count
+NO_CACHED_COUNT = {"llama-cpp-python": "not reported", "transformers": "– (no cache)"}
 FAMILIES = ["radixlm", "llama-server", "llama-cpp-python", "vllm", "transformers"]
 COLORS = {"radixlm": "#d62728", "llama-server": "#1f77b4", "llama-cpp-python": "#17becf",
           "vllm": "#2ca02c", "transformers": "#7f7f7f"}  # fmt: skip
@@ -28,8 +30,9 @@ def main() -> None:
     args = parser.parse_args()
     runs = load(args.runs)
     best = best_per_family(runs)
-    (args.out / "table.md").write_text(full_table(runs) + "\n" + versus_table(best))
-    plot(best, args.out)
+    quickest = best_per_family(runs, "followup_ttft_p50_ms", lowest=True)
+    (args.out / "table.md").write_text(full_table(runs) + "\n" + versus_table(best, quickest))
+    plot(best, quickest, args.out)
     print((args.out / "table.md").read_text())
 
 
@@ -39,49 +42,59 @@ def load(folder: Path) -> dict[tuple[str, str], dict[str, Any]]:
     for path in sorted(folder.glob("*.json")):
         run = json.loads(path.read_text())
         runs[(run["engine"]["name"], path.stem.split("__")[-1])] = run
-    order = list(ENGINES)
-    return dict(sorted(runs.items(), key=lambda kv: (order.index(kv[0][0]), kv[0][1])))
+    engines, workloads = list(ENGINES), list(WORKLOADS)
+    return dict(
+        sorted(runs.items(), key=lambda kv: (engines.index(kv[0][0]), workloads.index(kv[0][1])))
+    )
 
 
 def family(engine: str) -> str:
     return next(f for f in FAMILIES if engine.startswith(f))
 
 
-def best_per_family(runs: dict[tuple[str, str], Any]) -> dict[tuple[str, str], tuple[str, Any]]:
-    """(family, workload) -> (engine setting, run) with the highest output tok/s."""
+def best_per_family(
+    runs: dict[tuple[str, str], Any], key: str = "output_tok_s", lowest: bool = False
+) -> dict[tuple[str, str], tuple[str, Any]]:
+    """(family, workload) -> (engine setting, run) with the highest (or lowest) summary[key]."""
     best: dict[tuple[str, str], tuple[str, Any]] = {}
     for (engine, workload), run in runs.items():
-        key = (family(engine), workload)
-        tok_s = run["summary"]["output_tok_s"]
-        if key not in best or tok_s > best[key][1]["summary"]["output_tok_s"]:
-            best[key] = (engine, run)
+        value = run["summary"].get(key)
+        if value is None or math.isnan(value):
+            continue
+        slot = (family(engine), workload)
+        if slot not in best or (value < best[slot][1]["summary"][key]) == lowest:
+            best[slot] = (engine, run)
     return best
 
 
 def full_table(runs: dict[tuple[str, str], Any]) -> str:
     lines = [
         "| engine setting | workload | output tok/s | req/s | TTFT p50 / p99 (ms) "
-        "| follow-up TTFT p50 (ms) | cached prompt tokens | other cores busy |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| follow-up TTFT p50 (ms) | ITL p50 (ms) | cached prompt tokens | other cores busy |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for (engine, workload), run in runs.items():
         s, c = run["summary"], run["contention"]
-        hit = f"{s['cached_tokens'] / s['prompt_tokens']:.0%}" if s.get("prompt_tokens") else "–"
-        if family(engine) == "transformers":
-            hit = "– (none)"
+        hit = f"{s['cached_tokens'] / s['prompt_tokens']:.0%}"
+        if family(engine) in NO_CACHED_COUNT:
+            hit = NO_CACHED_COUNT[family(engine)]
         lines.append(
             f"| {engine} | {workload} | {s['output_tok_s']:.1f} | {s['request_s']:.2f} "
             f"| {s['ttft_p50_ms']:,.0f} / {s['ttft_p99_ms']:,.0f} "
-            f"| {_ms(s.get('followup_ttft_p50_ms'))} | {hit} | {c['other_busy_cores']:.2f} |"
+            f"| {_ms(s.get('followup_ttft_p50_ms'))} | {_ms(s.get('itl_p50_ms'))} | {hit} "
+            f"| {c['other_busy_cores']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def versus_table(best: dict[tuple[str, str], tuple[str, Any]]) -> str:
-    """radixlm's throughput over each peer's best setting, and its follow-up TTFT advantage."""
+def versus_table(
+    best: dict[tuple[str, str], tuple[str, Any]], quickest: dict[tuple[str, str], tuple[str, Any]]
+) -> str:
+    """radixlm's throughput over each peer's best setting, and its follow-up TTFT against the
+    peer setting with the quickest follow-ups (named when it is another one)."""
     lines = [
         "| workload | peer (best setting) | peer tok/s | radixlm tok/s | radixlm / peer "
-        "| follow-up TTFT p50 peer / radixlm (ms) |",
+        "| follow-up TTFT p50, peer's quickest / radixlm (ms) |",
         "|---|---|---:|---:|---:|---:|",
     ]
     for workload in WORKLOADS:
@@ -95,11 +108,13 @@ def versus_table(best: dict[tuple[str, str], tuple[str, Any]]) -> str:
             s = run["summary"]
             ratio = ours["output_tok_s"] / s["output_tok_s"]
             follow = ""
-            if "followup_ttft_p50_ms" in ours and "followup_ttft_p50_ms" in s:
-                speedup = s["followup_ttft_p50_ms"] / ours["followup_ttft_p50_ms"]
+            if (fam, workload) in quickest and "followup_ttft_p50_ms" in ours:
+                q_engine, q_run = quickest[(fam, workload)]
+                theirs = q_run["summary"]["followup_ttft_p50_ms"]
                 follow = (
-                    f"{_ms(s['followup_ttft_p50_ms'])} / {_ms(ours['followup_ttft_p50_ms'])} "
-                    f"({speedup:.1f}x)"
+                    f"{_ms(theirs)} / {_ms(ours['followup_ttft_p50_ms'])} "
+                    f"({theirs / ours['followup_ttft_p50_ms']:.1f}x)"
+                    + (f" [{q_engine}]" if q_engine != engine else "")
                 )
             lines.append(
                 f"| {workload} | {engine} | {s['output_tok_s']:.1f} | {ours['output_tok_s']:.1f} "
@@ -108,26 +123,33 @@ def versus_table(best: dict[tuple[str, str], tuple[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(best: dict[tuple[str, str], tuple[str, Any]], out: Path) -> None:
+def plot(
+    best: dict[tuple[str, str], tuple[str, Any]],
+    quickest: dict[tuple[str, str], tuple[str, Any]],
+    out: Path,
+) -> None:
+    """Grouped bars per workload, one bar per engine family at its best setting."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    workloads = [w for w in WORKLOADS if any((f, w) in best for f in FAMILIES)]
     panels = [
-        ("throughput.png", "output tokens/s (higher is better)", "output_tok_s", False),
-        ("ttft.png", "TTFT p50, ms (log; lower is better)", "ttft_p50_ms", True),
-    ]
-    for filename, title, key, log in panels:
+        ("throughput.png", "output tokens/s (higher is better)", "output_tok_s", False, best),
+        ("ttft.png", "TTFT p50, ms (log; lower is better)", "ttft_p50_ms", True, best),
+        ("followup_ttft.png", "follow-up TTFT p50, ms (log; lower is better)",
+         "followup_ttft_p50_ms", True, quickest),
+    ]  # fmt: skip
+    for filename, title, key, log, chosen in panels:
+        workloads = [w for w in WORKLOADS if any((f, w) in chosen for f in FAMILIES)]
         fig, ax = plt.subplots(figsize=(9, 4.2))
         width = 0.8 / len(FAMILIES)
         for k, fam in enumerate(FAMILIES):
             xs, ys = [], []
             for i, w in enumerate(workloads):
-                if (fam, w) in best:
+                if (fam, w) in chosen:
                     xs.append(i + (k - (len(FAMILIES) - 1) / 2) * width)
-                    ys.append(best[(fam, w)][1]["summary"][key])
+                    ys.append(chosen[(fam, w)][1]["summary"][key])
             ax.bar(xs, ys, width, label=fam, color=COLORS[fam])
         ax.set_xticks(range(len(workloads)), workloads)
         ax.set_title(f"SmolLM2-135M on 2 CPU cores, 8 in flight: {title}", fontsize=10)
