@@ -16,6 +16,7 @@ import torch
 from radixlm.cache.kv_pool import KVPool
 from radixlm.model.forward_batch import ForwardBatch, ForwardMode
 from radixlm.model.loader import load_causal_lm
+from radixlm.model.shared_prefix import find_shared_prefixes
 from radixlm.model.transformer import CausalLM
 
 TOLERANCE = 1e-4
@@ -135,6 +136,35 @@ def test_decodes_riding_along_with_a_prefill_chunk(variant) -> None:  # type: ig
     logits, _ = session.forward(new, prefixes, all_logits=False)
     for got, s in zip(logits, seqs):
         assert_close(got, reference_logits(reference, s)[-1])
+
+
+def test_decode_requests_sharing_prefix_slots(variant) -> None:  # type: ignore[no-untyped-def]
+    """Requests on the same cached prefix slots (as the radix tree hands them out): the shared
+    run is attended once for the group, the rest per request, and the logits do not move."""
+    model, reference = variant
+    prefix = random_ids(40, seed=40)
+    tails = [random_ids(2 + 3 * i, seed=41 + i) for i in range(3)]
+    alone = random_ids(45, seed=50)
+    session = Session(model)
+    shared = session.prefill(prefix)
+    _, slots = session.forward([t[:-1] for t in tails], [shared] * 3, all_logits=False)
+    alone_slots = session.prefill(alone[:-1])
+    steps = [[t[-1]] for t in tails] + [alone[-1:]]
+    logits, _ = session.forward(steps, [*slots, alone_slots], all_logits=False)
+    for got, ids in zip(logits, [prefix + t for t in tails] + [alone]):
+        assert_close(got, reference_logits(reference, ids)[-1])
+
+
+def test_shared_runs_are_found_from_slot_ids() -> None:
+    base = torch.arange(100, 200)
+    lists = [
+        torch.cat([base[:60], torch.tensor([7, 8])]),
+        torch.cat([base[:50], torch.tensor([9])]),
+        base[:80],
+        torch.arange(300, 340),  # shares nothing
+    ]
+    assert find_shared_prefixes(lists) == [([0, 1, 2], 50)]
+    assert find_shared_prefixes(lists[:1] + lists[3:]) == []
 
 
 def test_decode_batch_with_a_one_token_prompt(variant) -> None:  # type: ignore[no-untyped-def]

@@ -29,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
     parser.add_argument("--chunk-size", type=int, default=1024)
     parser.add_argument("--policy", choices=["lpm", "fcfs"], default="lpm")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (all cores)")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--plot", default=None, help="draw the comparison into this PNG")
     add_workload_arguments(parser)
@@ -42,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
         "workload": args.workload,
         "params": workload_params(args),
         "seed": args.seed,
+        "threads": args.threads,
         "model": args.model or "default (SmolLM2-135M-Instruct Q4_1)",
         "modes": {},
     }
@@ -66,7 +68,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     from radixlm.request import Request, SamplingParams
 
     engine = Engine(
-        ModelConfig(path=args.model),
+        ModelConfig(path=args.model, num_threads=args.threads),
         CacheConfig(num_slots=args.num_slots, cache=cast(CacheKind, mode)),
         SchedulerConfig(
             max_running_requests=args.max_running,

@@ -28,6 +28,13 @@ import torch
 import torch.nn.functional as F
 
 from radixlm.model.forward_batch import ForwardBatch
+from radixlm.model.shared_prefix import (
+    SharedPrefix,
+    attention_with_lse,
+    find_shared_prefixes,
+    merge,
+    suffix_slots,
+)
 
 
 @dataclass(frozen=True)
@@ -43,12 +50,15 @@ class ExtendSpan:
 
 @dataclass(frozen=True)
 class DecodeGroup:
-    """Requests with one new token on top of a prefix, attended in one padded SDPA call."""
+    """Requests with one new token on top of a prefix, attended in one padded call; runs of
+    slots that several of them share are attended once for all (see shared_prefix.py), and
+    `gather_rows` then covers each request's own slots after its shared run."""
 
     token_rows: torch.Tensor | None  # (B,) their rows among the T new tokens; None = all, in order
     gather_rows: torch.Tensor  # (B * kv_heads * L_max,) head rows; pads -> row 0
     max_seq_len: int  # L_max
     length_mask: torch.Tensor | None  # (B, 1, 1, L_max) bool; None if no padding
+    shared: list[SharedPrefix]
 
 
 @dataclass(frozen=True)
@@ -82,8 +92,10 @@ class AttentionPlan:
         if one_token:
             decode = _decode_group(batch, one_token, num_kv_heads)
         num_rows = max(
-            [s.gather_rows.numel() for s in spans if s.gather_rows is not None]
-            + [decode.gather_rows.numel() if decode else 0]
+            [0]
+            + [s.gather_rows.numel() for s in spans if s.gather_rows is not None]
+            + ([decode.gather_rows.numel()] if decode else [])
+            + ([sp.gather_rows.numel() for sp in decode.shared] if decode else [])
         )
         k_buffer = torch.empty(num_rows, head_dim, dtype=kv_dtype, device=device)
         v_buffer = torch.empty_like(k_buffer)
@@ -104,9 +116,20 @@ def _extend_span(
 
 def _decode_group(batch: ForwardBatch, members: list[int], num_kv_heads: int) -> DecodeGroup:
     device = batch.input_ids.device
-    seq_lens = [batch.prefix_lens[i] + 1 for i in members]
+    slot_lists = [batch.seq_slots[i] for i in members]
+    groups = find_shared_prefixes(slot_lists) if device.type == "cpu" else []
+    shared = [
+        SharedPrefix(
+            torch.tensor(group, device=device),
+            length,
+            head_rows(slot_lists[group[0]][:length], num_kv_heads),
+        )
+        for group, length in groups
+    ]
+    own = suffix_slots(slot_lists, groups)
+    seq_lens = [len(s) for s in own]
     max_len = max(seq_lens)
-    padded = torch.nn.utils.rnn.pad_sequence([batch.seq_slots[i] for i in members], True)
+    padded = torch.nn.utils.rnn.pad_sequence(own, batch_first=True)
     length_mask = None
     if min(seq_lens) != max_len:
         lens = torch.tensor(seq_lens, device=device)
@@ -116,7 +139,8 @@ def _decode_group(batch: ForwardBatch, members: list[int], num_kv_heads: int) ->
     if len(members) != batch.batch_size:  # a mixed batch: pick the members' rows out of T
         ends = torch.tensor(batch.extend_lens, device=device).cumsum(0)
         token_rows = ends[members] - 1
-    return DecodeGroup(token_rows, head_rows(padded, num_kv_heads), max_len, length_mask)
+    rows = head_rows(padded, num_kv_heads)
+    return DecodeGroup(token_rows, rows, max_len, length_mask, shared)
 
 
 def head_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -185,11 +209,25 @@ def _decode(
     """q (B, heads, D): one query per request of the group -> (B, heads * D)."""
     batch_size, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
+    group_size = num_heads // num_kv_heads
     shape = (batch_size, num_kv_heads, group.max_seq_len, head_dim)
     ks = _gather(k_cache, group.gather_rows, plan.k_buffer).view(shape).to(q.dtype)  # (B,kv,L,D)
     vs = _gather(v_cache, group.gather_rows, plan.v_buffer).view(shape).to(q.dtype)
-    qs = q.reshape(batch_size, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B,kv,G,D)
-    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=group.length_mask)  # (B,kv,G,D)
+    qs = q.reshape(batch_size, num_kv_heads, group_size, head_dim)  # (B, kv, G, D)
+    if not group.shared:
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=group.length_mask)  # (B,kv,G,D)
+        return o.reshape(batch_size, num_heads * head_dim)
+    o, lse = attention_with_lse(qs, ks, vs, group.length_mask)  # own slots: (B,kv,G,D), (B,kv,G)
+    for run in group.shared:  # the buffers are free again: the own part is computed
+        n = run.members.numel()
+        run_shape = (1, num_kv_heads, run.length, head_dim)
+        kp = _gather(k_cache, run.gather_rows, plan.k_buffer).view(run_shape).to(q.dtype)
+        vp = _gather(v_cache, run.gather_rows, plan.v_buffer).view(run_shape).to(q.dtype)
+        qg = qs[run.members].transpose(0, 1).reshape(1, num_kv_heads, n * group_size, head_dim)
+        op, lp = attention_with_lse(qg, kp, vp, None)  # (1, kv, n*G, D), (1, kv, n*G)
+        op = op.view(num_kv_heads, n, group_size, head_dim).transpose(0, 1)  # (n, kv, G, D)
+        lp = lp.view(num_kv_heads, n, group_size).transpose(0, 1)  # (n, kv, G)
+        o[run.members] = merge(op, lp, o[run.members], lse[run.members])
     return o.reshape(batch_size, num_heads * head_dim)
 
 
