@@ -50,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="workload, arrivals and disconnects")
     parser.add_argument("--no-ignore-eos", action="store_true", help="let the model stop early")
+    parser.add_argument(
+        "--extra-body", default="{}", metavar="JSON",
+        help='fields added to every request body, e.g. \'{"verbose": true}\' for llama-server',
+    )  # fmt: skip
     parser.add_argument("--json", default=None, metavar="OUT", help="write the results here")
 
 
@@ -59,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.concurrency < 1 or not 0.0 <= args.disconnect_frac <= 1.0:
             raise ValueError("--concurrency must be >= 1 and --disconnect-frac in [0, 1]")
+        if not isinstance(json.loads(args.extra_body), dict):
+            raise ValueError("--extra-body must be a JSON object")
         workload = workload_from_args(args)
     except ValueError as exc:
         print(f"radixlm bench serve: {exc}", file=sys.stderr)
@@ -93,14 +99,20 @@ async def run_bench(args: argparse.Namespace, workload: Workload) -> dict[str, A
     import httpx
 
     from radixlm.bench.online_client import ClientOptions, RequestRecord, stream_completion
-    from radixlm.bench.online_stats import summarize
+    from radixlm.bench.online_stats import percentiles, summarize
 
     base = args.base_url.rstrip("/").removesuffix("/v1")
     requests = workload.requests
     limits = httpx.Limits(max_connections=args.concurrency + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         model = args.model or await _served_model(client, base, args.api_key)
-        options = ClientOptions(base, model, args.api_key, ignore_eos=not args.no_ignore_eos)
+        options = ClientOptions(
+            base,
+            model,
+            args.api_key,
+            ignore_eos=not args.no_ignore_eos,
+            extra_body=json.loads(args.extra_body),
+        )
         rng = random.Random(args.seed)
         arrivals = _arrivals(len(requests), args.rate, rng)
         disconnects = [
@@ -135,6 +147,16 @@ async def run_bench(args: argparse.Namespace, workload: Workload) -> dict[str, A
         cache = await _settled_cache(client, base, args.api_key)
     summary = summarize([r for r in records if r is not None], duration, cache)
     summary["ideal_prefill_tokens"] = ideal_prefill_tokens(progress.completed())
+    if any(r.parent is not None for r in requests):  # multi-turn: first turns vs follow-ups
+        for name, has_parent in (("root", False), ("followup", True)):
+            ttft = [
+                record.ttft_s
+                for record, request in zip(records, requests)
+                if record is not None
+                and record.ttft_s is not None
+                and (request.parent is not None) == has_parent
+            ]
+            summary.update(percentiles(f"{name}_ttft", ttft))
     if before is not None and cache is not None:  # radixlm: what the engine computed for it
         summary["server_prefill_tokens"] = (
             cache["engine_stats"]["prefill_tokens"] - before["engine_stats"]["prefill_tokens"]
@@ -148,6 +170,7 @@ async def run_bench(args: argparse.Namespace, workload: Workload) -> dict[str, A
         "rate": args.rate,
         "disconnect_frac": args.disconnect_frac,
         "seed": args.seed,
+        "extra_body": args.extra_body,
         "num_requests": len(requests),
     }
     return {"config": config, "summary": summary, "server_cache": cache}

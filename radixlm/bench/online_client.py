@@ -2,7 +2,8 @@
 
 The prompt goes as token ids (the workload generators work in ids, and every OpenAI-compatible
 server accepts them). `return_token_ids` (vLLM's extension, radixlm's too) brings the output ids
-back so a dependent request can extend its parent's actual output; a server without it still
+back so a dependent request can extend its parent's actual output; llama-server does it with
+`"verbose": true` in the body (each chunk's `__verbose.tokens`); a server without either still
 works, the child then extends the parent's prompt only.
 
 A request may be told to disconnect after k tokens: it closes the connection mid-stream, which
@@ -27,6 +28,7 @@ class ClientOptions:
     ignore_eos: bool = True  # generate exactly max_tokens (vLLM/SGLang/radixlm extension)
     return_token_ids: bool = True
     timeout_s: float = 600.0
+    extra_body: dict[str, Any] = field(default_factory=dict)  # server-specific request fields
 
 
 @dataclass
@@ -75,6 +77,7 @@ async def stream_completion(
         body["ignore_eos"] = True
     if options.return_token_ids:
         body["return_token_ids"] = True
+    body.update(options.extra_body)
     headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
     record.start_s = time.perf_counter()
     last: float | None = None
@@ -122,6 +125,8 @@ def _read_chunk(chunk: dict[str, Any], record: RequestRecord) -> int:
     num_new = 0
     for choice in chunk.get("choices") or []:
         ids = choice.get("token_ids")
+        if ids is None:  # llama-server sends each token's id under "__verbose" when asked to
+            ids = (chunk.get("__verbose") or {}).get("tokens")
         if ids is not None:
             record.output_ids.extend(ids)
             num_new += len(ids)

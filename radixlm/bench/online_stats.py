@@ -42,8 +42,8 @@ def summarize(
         "prompt_tokens": prompt_tokens,
         "cached_tokens": cached,
         "hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
-        **_percentiles("ttft", ttft),
-        **_percentiles("itl", itl),
+        **percentiles("ttft", ttft),
+        **percentiles("itl", itl),
     }
     if cache is not None:
         summary["leaked_slots"] = int(cache.get("num_in_flight", 0))
@@ -52,7 +52,7 @@ def summarize(
     return summary
 
 
-def _percentiles(name: str, seconds: Sequence[float]) -> dict[str, float]:
+def percentiles(name: str, seconds: Sequence[float]) -> dict[str, float]:
     if not seconds:
         return {f"{name}_p50_ms": float("nan"), f"{name}_p99_ms": float("nan")}
     ms = np.asarray(seconds) * 1000.0
@@ -72,6 +72,13 @@ def format_summary(s: dict[str, Any]) -> str:
         f"throughput    {s['output_tok_s']:.1f} output tok/s, {s['request_s']:.2f} req/s",
         f"TTFT          p50 {s['ttft_p50_ms']:.1f} ms   p99 {s['ttft_p99_ms']:.1f} ms",
         f"ITL           p50 {s['itl_p50_ms']:.1f} ms   p99 {s['itl_p99_ms']:.1f} ms",
+    ]
+    if "followup_ttft_p50_ms" in s:
+        lines.append(
+            f"TTFT turns    first p50 {s['root_ttft_p50_ms']:.1f} ms, follow-up p50 "
+            f"{s['followup_ttft_p50_ms']:.1f} ms   p99 {s['followup_ttft_p99_ms']:.1f} ms"
+        )
+    lines += [
         f"cached        {s['cached_tokens']} of {s['prompt_tokens']} prompt tokens of completed "
         f"requests ({s['hit_rate']:.1%})",
     ]

