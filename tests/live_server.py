@@ -127,12 +127,13 @@ def live_server(
     cache: CacheConfig | None = None,
     scheduler: SchedulerConfig | None = None,
 ) -> Iterator[LiveServer]:
-    engine = Engine(
-        ModelConfig(path=str(model_path), num_threads=1),
-        cache or CacheConfig(num_slots=8192),
-        scheduler or SchedulerConfig(max_running_requests=16, max_batch_tokens=1024),
+    async_engine = AsyncEngine(
+        lambda: Engine(
+            ModelConfig(path=str(model_path), num_threads=1),
+            cache or CacheConfig(num_slots=8192),
+            scheduler or SchedulerConfig(max_running_requests=16, max_batch_tokens=1024),
+        )
     )
-    async_engine = AsyncEngine(engine)
     async_engine.start()
     app = create_app(async_engine, ServerConfig(api_key=api_key, model_name="tiny"))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

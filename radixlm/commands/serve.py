@@ -50,13 +50,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"radixlm serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    async_engine = AsyncEngine(lambda: load_engine(configs))  # loads on the engine thread
     try:
-        engine = load_engine(configs)
+        async_engine.start()
     except KeyboardInterrupt:
         print("\ninterrupted while loading", file=sys.stderr)
         return 130
-    async_engine = AsyncEngine(engine)
-    async_engine.start()
     try:
         app = create_app(async_engine, server_config)
         server = _Server(
