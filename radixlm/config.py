@@ -55,8 +55,11 @@ class SchedulerConfig:
     """Budgets and ordering of the step loop."""
 
     max_running_requests: int = 64
-    max_batch_tokens: int = 2048  # new tokens (prefill + decode) one forward may compute
-    chunk_size: int = 1024  # the longest prefill chunk of one request in one step
+    # New tokens (prefill + decode) one forward may compute. A step of 512 takes ~0.4 s on two
+    # CPU cores, which bounds how long running streams stall behind a prefill; raise it on
+    # faster hardware or for offline throughput (`radixlm bench offline` uses 2048).
+    max_batch_tokens: int = 512
+    chunk_size: int = 512  # the longest prefill chunk of one request in one step
     policy: Policy = "lpm"
     max_waiting_requests: int = 4096  # a full waiting queue rejects new requests
     max_wait_steps: int = 256  # LPM age bound: a request waiting longer goes first

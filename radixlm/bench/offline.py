@@ -26,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache", choices=["radix", "none", "both"], default="both")
     parser.add_argument("--num-slots", type=int, default=65_536, help="KV pool size in tokens")
     parser.add_argument("--max-running", type=int, default=64)
+    # Offline throughput: bigger steps than the serving default (no stream waits on them).
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
     parser.add_argument("--chunk-size", type=int, default=1024)
     parser.add_argument("--policy", choices=["lpm", "fcfs"], default="lpm")
