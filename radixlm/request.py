@@ -18,9 +18,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # the engine's types; importing them here at run time would be a cycle
+    from radixlm.cache.tree_node import TreeNode
+    from radixlm.detokenizer import OutputStream
+    from radixlm.engine.sampler import SamplingState
 
 
 @dataclass(frozen=True)
@@ -123,7 +128,7 @@ class Request:
     error: str | None = None
 
     # KV bookkeeping, changed only through the prefix cache (see the module docstring).
-    node: Any = None
+    node: TreeNode | None = None
     slots: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     cached_len: int = 0
     num_computed: int = 0
@@ -144,9 +149,9 @@ class Request:
     hint_version: object = None
     wait_steps: int = 0  # scheduling passes spent waiting (the LPM age bound)
 
-    # Per-request sampling and text state, set by the engine.
-    sampling: Any = None
-    text: Any = None
+    # Per-request sampling and text state, set by the engine right after construction.
+    sampling: SamplingState = field(init=False, repr=False)
+    text: OutputStream = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.all_ids = list(self.prompt_ids)

@@ -284,10 +284,10 @@ class NoCache(PrefixCache):
         return 0
 
     def lock(self, node: TreeNode) -> None:
-        pass
+        """Nothing is shared, so nothing needs pinning."""
 
     def unlock(self, node: TreeNode) -> None:
-        pass
+        """Nothing is shared, so nothing was pinned."""
 
     def commit(
         self, tokens: TokenIds, slots: np.ndarray, namespace: Namespace, node: TreeNode

@@ -46,8 +46,8 @@ class EngineStats:
     decode_tokens: int = 0
     prompt_tokens: int = 0  # prompt tokens of admitted requests (first sample only)
     cached_prompt_tokens: int = 0  # of those, served from the cache at admission
-    finished_requests: int = 0
-    aborted_requests: int = 0
+    finished_requests: int = 0  # ran to a stop or the length limit
+    aborted_requests: int = 0  # aborted, or failed by an engine error
 
 
 class QueueFullError(RuntimeError):
@@ -213,6 +213,7 @@ class Engine:
         return started
 
     def _commit(self, req: Request) -> None:
+        assert req.node is not None  # every running request holds a node
         res = self.cache.commit(req.all_ids[: req.num_computed], req.slots, req.namespace, req.node)
         req.node, req.slots, req.cached_len = res.node, res.slots, res.cached_len
 
@@ -235,7 +236,8 @@ class Engine:
         samples = self._requests[req.rid]
         if all(r.finished for r in samples):
             del self._requests[req.rid]
-            self.stats.finished_requests += 1
+            if reason in ("stop", "length"):  # aborted and failed ones count in _stop
+                self.stats.finished_requests += 1
         return self._delta(req, text, new_tokens or [], reason)
 
     def _delta(self, req: Request, text: str, tokens: list[int], reason: str | None) -> StreamDelta:

@@ -27,7 +27,7 @@ import numpy as np
 
 from radixlm.cache.kv_pool import OutOfSlotsError
 from radixlm.cache.prefix_cache import PrefixCache
-from radixlm.cache.radix_tree import RadixTree
+from radixlm.cache.radix_tree import RadixTree, TreeNode
 from radixlm.config import SchedulerConfig
 from radixlm.request import Request, RequestState
 
@@ -184,7 +184,7 @@ class Scheduler:
         return tree
 
     # ---- slot ownership transitions --------------------------------------------------------
-    def start(self, req: Request, node: object, slots: np.ndarray, cached_len: int) -> None:
+    def start(self, req: Request, node: TreeNode, slots: np.ndarray, cached_len: int) -> None:
         req.state = RequestState.RUNNING
         req.node = node
         req.slots = slots
@@ -211,6 +211,7 @@ class Scheduler:
         req.hint_version = None
 
     def _drop_kv(self, req: Request) -> None:
+        assert req.node is not None  # every running request holds a node
         commit = self.cache.commit(
             req.all_ids[: req.num_computed], req.slots, req.namespace, req.node
         )

@@ -282,5 +282,7 @@ async def _until_disconnected(request: Request, work: Callable[[], Awaitable[T]]
 
 
 async def _disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    """Return once the client has gone away (the body was read already: only this is left)."""
+    message = await request.receive()
+    while message["type"] != "http.disconnect":
+        message = await request.receive()
