@@ -269,3 +269,27 @@ def _generate(engine: Engine, prompt: list[int], params: SamplingParams) -> Requ
     while engine.has_unfinished():
         engine.step()
     return _output(rid, samples)
+
+
+def test_a_failed_forward_pass_loses_no_slot(
+    make_engine: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(chunk_size=16, max_batch_tokens=32)
+    rids = [engine.add_request(list(range(10 + i, 50 + i)), GREEDY) for i in range(3)]
+    forward, calls = engine.runner.forward, []
+
+    def flaky(batch):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected failure")
+        return forward(batch)
+
+    monkeypatch.setattr(engine.runner, "forward", flaky)
+    with pytest.raises(RuntimeError, match="injected"):
+        for _ in range(5):
+            engine.step()
+    deltas = engine.fail_all("internal error")
+    assert {d.request_id for d in deltas} == set(rids)
+    assert {d.finish_reason for d in deltas} == {"error"}
+    assert_idle(engine)
+    assert outputs(run(engine, [[1, 2, 3]])) == outputs(run(make_engine(), [[1, 2, 3]]))

@@ -147,3 +147,30 @@ def test_sse_format(server: LiveServer) -> None:
     chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
     assert all(c["object"] == "text_completion" for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_an_engine_failure_fails_its_requests_and_the_server_keeps_serving(
+    server: LiveServer,
+) -> None:
+    runner = server.engine.engine.runner
+    forward = runner.forward
+
+    def failing(batch):  # type: ignore[no-untyped-def]
+        runner.forward = forward  # fail once, then work again
+        raise RuntimeError("injected failure")
+
+    runner.forward = failing
+    try:
+        body = {"prompt": "this request meets a broken step", "max_tokens": 5}
+        failed = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert failed.status_code >= 500
+        assert failed.json()["error"]["message"]
+    finally:
+        runner.forward = forward
+    _assert_idle(server)
+    ok = httpx.post(
+        server.url + "/v1/completions", json={"prompt": "and this one", "max_tokens": 3}
+    )
+    assert ok.status_code == 200
+    assert ok.json()["usage"]["completion_tokens"] == 3
+    _assert_idle(server)

@@ -147,6 +147,10 @@ class PrefixCache(ABC):
         self.num_in_flight += n
         return slots
 
+    def free(self, slots: np.ndarray) -> None:
+        """Give back in-flight slots that never received KV (a forward pass that failed)."""
+        self._free_in_flight(np.asarray(slots, dtype=np.int64))
+
     def flush(self) -> int:
         """Evict every unlocked node; returns the tokens freed."""
         return self.evict(self.num_evictable)

@@ -150,7 +150,12 @@ class Engine:
         if not plan.scheduled:
             return []
         batch = _prepare_batch(plan.scheduled, self.runner.device)
-        logits = self.runner.forward(batch)  # (R, vocab): the last new token of each request
+        try:
+            logits = self.runner.forward(batch)  # (R, vocab): the last new token of each request
+        except BaseException:
+            for item in plan.scheduled:  # allocated for this step, not yet any request's
+                self.cache.free(item.new_slots)
+            raise
         self.stats.steps += 1
         return self._postprocess(plan.scheduled, logits)
 
