@@ -14,6 +14,7 @@ other than the engine and the client kept busy (from /proc/stat against their ow
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -143,12 +144,10 @@ def _wait_ready(engine: Engine, server: subprocess.Popen[bytes]) -> None:
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise RuntimeError(f"{engine.name} exited ({server.returncode}); see its log")
-        try:
+        with contextlib.suppress(OSError):  # not listening yet
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
                     return
-        except OSError:
-            pass
         time.sleep(1.0)
     raise RuntimeError(f"{engine.name} did not answer {url} in {engine.startup_s:.0f} s")
 
