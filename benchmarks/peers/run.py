@@ -144,10 +144,9 @@ def _wait_ready(engine: Engine, server: subprocess.Popen[bytes]) -> None:
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise RuntimeError(f"{engine.name} exited ({server.returncode}); see its log")
-        with contextlib.suppress(OSError):  # not listening yet
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as response:
+            if response.status == 200:  # (OSError: not listening yet)
+                return
         time.sleep(1.0)
     raise RuntimeError(f"{engine.name} did not answer {url} in {engine.startup_s:.0f} s")
 
