@@ -133,7 +133,6 @@ class Request:
     cached_len: int = 0
     num_computed: int = 0
     cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
-    num_prefilled: int = 0  # tokens this request computed in extend steps (for accounting)
 
     # Forks of an n > 1 request wait here until the first sample's prompt is computed.
     forks: list[Request] = field(default_factory=list)

@@ -197,7 +197,7 @@ class Engine:
             req.logprobs.append(TokenLogprob(token, logprob.logprob, tuple(logprob.top)))
         text, reason = req.text.push(token)  # the only place that decides why an output ends
         if reason is not None:
-            self._retire(req)
+            self.scheduler.remove(req)  # its KV goes to the tree, its lock is released
             return self._finish(req, reason, text=text, new_tokens=[token])
         return self._delta(req, text, [token], None)
 
@@ -221,10 +221,6 @@ class Engine:
         assert req.node is not None  # every running request holds a node
         res = self.cache.commit(req.all_ids[: req.num_computed], req.slots, req.namespace, req.node)
         req.node, req.slots, req.cached_len = res.node, res.slots, res.cached_len
-
-    def _retire(self, req: Request) -> None:
-        """A finished request leaves the running queue; its KV goes to the tree."""
-        self.scheduler.remove(req)
 
     def _finish(
         self,
@@ -272,7 +268,6 @@ class Engine:
             self.stats.decode_tokens += 1
         else:
             self.stats.prefill_tokens += extend_len
-            req.num_prefilled += extend_len
         return decoding
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
