@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 import torch
+from test_native_kernel import require_native_kernel
 
 from radixlm.cache.kv_pool import KVPool
 from radixlm.model import shared_prefix
@@ -72,10 +73,15 @@ def assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
     assert diff <= TOLERANCE, f"max abs diff {diff:.2e} > {TOLERANCE:.0e}"
 
 
-@pytest.fixture
-def variant(each_tiny_hf_model):  # type: ignore[no-untyped-def]
-    """(our model, the transformers reference), once per flag combination."""
-    return load_causal_lm(str(each_tiny_hf_model.path)), each_tiny_hf_model.reference
+@pytest.fixture(params=["native", "torch"], ids=["native-decode", "torch-decode"])
+def variant(each_tiny_hf_model, request):  # type: ignore[no-untyped-def]
+    """(our model, the transformers reference), once per flag combination and decode attention
+    (the native kernel reading the pool in place; PyTorch SDPA over gathered K/V)."""
+    model = load_causal_lm(str(each_tiny_hf_model.path))
+    model.native_decode = request.param == "native"
+    if model.native_decode:
+        require_native_kernel()
+    return model, each_tiny_hf_model.reference
 
 
 def test_full_prefill(variant) -> None:  # type: ignore[no-untyped-def]

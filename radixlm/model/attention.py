@@ -14,6 +14,8 @@ runs one layer:
           K/V: the query heads sharing a KV head are folded into the query-length axis,
           (B, kv_heads, group, D). When several requests share a long run of prefix slots,
           the run is read once for all of them (shared_prefix.py).
+          On CPU with float32 K/V, the native kernel (native.py) replaces all of that: it reads
+          each request's slots in place, and a shared run once for all requests on it.
 
 Gathers (kv_gather.py) write into two buffers allocated here once per forward.
 The caller has already written the new tokens' K/V into `batch.out_slots` of this layer.
@@ -28,7 +30,13 @@ import torch.nn.functional as F
 
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.kv_gather import PaddedRuns, gather_rows, head_rows
-from radixlm.model.shared_prefix import SharedDecode, plan_shared_decode, shared_decode_attention
+from radixlm.model.native import DecodeKernel, DecodeLayout
+from radixlm.model.shared_prefix import (
+    SharedDecode,
+    find_shared_prefixes,
+    plan_shared_decode,
+    shared_decode_attention,
+)
 
 
 @dataclass(frozen=True)
@@ -44,16 +52,19 @@ class ExtendSpan:
 
 @dataclass(frozen=True)
 class DecodeGroup:
-    """Requests with one new token on top of a prefix, attended together: one padded call, or
-    the shared-prefix split when several of them share a long run of slots."""
+    """Requests with one new token on top of a prefix, attended together: by the native kernel,
+    or else one padded SDPA call, or the shared-prefix split when several of them share a long
+    run of slots."""
 
     token_rows: torch.Tensor | None  # (B,) their rows among the T new tokens; None = all, in order
-    plain: PaddedRuns  # every member's whole slot list
+    kernel: DecodeKernel | None  # the native kernel and its layout of the group, or
+    layout: DecodeLayout | None
+    plain: PaddedRuns | None  # every member's whole slot list, for PyTorch attention
     shared: SharedDecode | None  # the split, when it reads clearly fewer K/V rows
 
     @property
     def max_rows(self) -> int:
-        rows = self.plain.gather_rows.numel()
+        rows = 0 if self.plain is None else self.plain.gather_rows.numel()
         return rows if self.shared is None else max(rows, self.shared.max_rows)
 
 
@@ -70,8 +81,14 @@ class AttentionPlan:
 
     @classmethod
     def build(
-        cls, batch: ForwardBatch, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype
+        cls,
+        batch: ForwardBatch,
+        num_kv_heads: int,
+        head_dim: int,
+        kv_dtype: torch.dtype,
+        kernel: DecodeKernel | None = None,
     ) -> AttentionPlan:
+        """`kernel`: the native decode kernel, for float32 queries and K/V on CPU (or None)."""
         device = batch.input_ids.device
         spans: list[ExtendSpan] = []
         one_token: list[int] = []  # requests that go to the decode group
@@ -84,7 +101,7 @@ class AttentionPlan:
             else:
                 spans.append(_extend_span(slots, prefix_len, extend_len, start, num_kv_heads))
             start += extend_len
-        decode = _decode_group(batch, one_token, num_kv_heads) if one_token else None
+        decode = _decode_group(batch, one_token, num_kv_heads, kernel) if one_token else None
         num_rows = max(
             [0]
             + [s.gather_rows.numel() for s in spans if s.gather_rows is not None]
@@ -107,15 +124,21 @@ def _extend_span(
     return ExtendSpan(start, start + extend_len, seq_len, rows, mask)
 
 
-def _decode_group(batch: ForwardBatch, members: list[int], num_kv_heads: int) -> DecodeGroup:
+def _decode_group(
+    batch: ForwardBatch, members: list[int], num_kv_heads: int, kernel: DecodeKernel | None
+) -> DecodeGroup:
     device = batch.input_ids.device
     slot_lists = [batch.seq_slots[i] for i in members]
     token_rows = None
     if len(members) != batch.batch_size:  # a mixed batch: pick the members' rows out of T
         ends = torch.tensor(batch.extend_lens, device=device).cumsum(0)
         token_rows = ends[members] - 1
+    if kernel is not None:
+        layout = DecodeLayout(slot_lists, find_shared_prefixes(slot_lists))
+        return DecodeGroup(token_rows, kernel, layout, None, None)
     shared = plan_shared_decode(slot_lists, num_kv_heads) if device.type == "cpu" else None
-    return DecodeGroup(token_rows, PaddedRuns.of(slot_lists, num_kv_heads), shared)
+    plain = PaddedRuns.of(slot_lists, num_kv_heads)
+    return DecodeGroup(token_rows, None, None, plain, shared)
 
 
 def attend(
@@ -174,6 +197,9 @@ def _decode(
 ) -> torch.Tensor:
     """q (B, heads, D): one query per request of the group -> (B, heads * D)."""
     batch_size, num_heads, head_dim = q.shape
+    if group.kernel is not None and group.layout is not None:
+        o = group.kernel.attend(q.contiguous(), k_cache, v_cache, group.layout)  # (B, heads, D)
+        return o.view(batch_size, num_heads * head_dim)
     num_kv_heads = k_cache.shape[1]
     qs = q.reshape(batch_size, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B,kv,G,D)
     if group.shared is not None:
@@ -181,6 +207,7 @@ def _decode(
         o = shared_decode_attention(qs, k_cache, v_cache, group.shared, buffers)
     else:
         runs = group.plain
+        assert runs is not None  # built whenever the kernel is not
         ks = runs.gather(k_cache, plan.k_buffer, q.dtype)  # (B, kv, L, D)
         vs = runs.gather(v_cache, plan.v_buffer, q.dtype)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=runs.key_mask)  # (B,kv,G,D)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm.cache.kv_pool import KVPool
-from radixlm.model import packed_linear
+from radixlm.model import native, packed_linear
 from radixlm.model.arch import ArchConfig
 from radixlm.model.attention import AttentionPlan, attend
 from radixlm.model.forward_batch import ForwardBatch
@@ -157,9 +157,13 @@ class Decoder(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Decoder + LM head. `forward(batch, pool)` -> (R, vocab) float32 logits of batch rows."""
+    """Decoder + LM head. `forward(batch, pool)` -> (R, vocab) float32 logits of batch rows.
+
+    `native_decode`: attend decodes with the native kernel where it applies (float32 on CPU)
+    and could be built; False keeps every step on PyTorch attention (for comparisons)."""
 
     inv_freq: torch.Tensor  # (head_dim / 2,) rope frequencies, a buffer
+    native_decode: bool = True
 
     def __init__(self, config: ArchConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -184,8 +188,11 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         self._check_fits(batch, pool)
         c = self.config
-        plan = AttentionPlan.build(batch, c.num_kv_heads, c.head_dim, pool.dtype)
         h = self.model.embed_tokens(batch.input_ids)  # (T, hidden)
+        kernel = None
+        if self.native_decode and h.device.type == "cpu" and h.dtype == pool.dtype == torch.float32:
+            kernel = native.decode_kernel()
+        plan = AttentionPlan.build(batch, c.num_kv_heads, c.head_dim, pool.dtype, kernel)
         rope = rope_cos_sin(batch.positions, self.inv_freq, h.dtype)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, rope, batch.out_slots, (pool.k_cache(i), pool.v_cache(i)), plan)

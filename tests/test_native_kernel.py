@@ -1,0 +1,124 @@
+"""The native decode-attention kernel equals softmax attention over each request's gathered K/V.
+
+Property-based: random pools, slot lists that share leading runs (as the radix tree hands them
+out) or not, GQA ratios, head sizes with and without a specialised build, lengths on and off the
+kernel's chunk boundaries, groups larger than its query block. The reference is the textbook
+formula in float64 over `k_cache[slots]`; the model-level tests (test_model_numerics.py) check
+the kernel against transformers through the whole decoder.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixlm.model import native
+from radixlm.model.shared_prefix import find_shared_prefixes
+
+NUM_SLOTS = 4096
+
+
+def require_native_kernel() -> native.DecodeKernel:
+    """The kernel; a test that needs it fails if a C compiler exists but the build does not work
+    (and is skipped, saying so, only on a machine without a compiler)."""
+    kernel = native.decode_kernel()
+    if kernel is None:
+        if shutil.which("cc") is None and shutil.which("gcc") is None:
+            pytest.skip("no C compiler: the native kernel cannot be built here")
+        pytest.fail("a C compiler is present but the native decode kernel did not build")
+    return kernel
+
+
+def reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_lists: list[torch.Tensor]
+) -> torch.Tensor:
+    """q (B, H, D), k / v (num_slots, KV, D) -> (B, H, D), float64 softmax attention."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    outs = []
+    for qi, slots in zip(q.double(), slot_lists):
+        ks = k[slots].double().repeat_interleave(num_heads // num_kv_heads, dim=1)  # (L, H, D)
+        vs = v[slots].double().repeat_interleave(num_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("hd,lhd->hl", qi, ks) / q.shape[-1] ** 0.5
+        outs.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), vs))
+    return torch.stack(outs).float()
+
+
+@st.composite
+def decode_batches(draw):  # type: ignore[no-untyped-def]
+    """(heads, kv_heads, head_dim, slot lists) with some lists sharing a leading run."""
+    num_kv_heads = draw(st.sampled_from([1, 2, 3]))
+    num_heads = num_kv_heads * draw(st.sampled_from([1, 3, 4]))
+    head_dim = draw(st.sampled_from([64, 32, 128, 24]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    order = torch.randperm(NUM_SLOTS, generator=torch.Generator().manual_seed(seed))
+    taken = 0
+
+    def fresh(n: int) -> torch.Tensor:
+        nonlocal taken
+        taken += n
+        return order[taken - n : taken]
+
+    slot_lists = []
+    for _ in range(draw(st.integers(1, 4))):  # groups on a common run (a group of 1 = alone)
+        run = fresh(draw(st.sampled_from([0, 1, 31, 32, 33, 64, 100])))
+        for _ in range(draw(st.integers(1, 5))):
+            own = fresh(draw(st.integers(1, 70)))
+            slot_lists.append(torch.cat([run, own]))
+    return num_heads, num_kv_heads, head_dim, slot_lists
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=decode_batches(), threads=st.sampled_from([1, 2]))
+def test_kernel_matches_softmax_attention(batch, threads: int) -> None:  # type: ignore[no-untyped-def]
+    kernel = require_native_kernel()
+    num_heads, num_kv_heads, head_dim, slot_lists = batch
+    gen = torch.Generator().manual_seed(len(slot_lists))
+    k = torch.randn(NUM_SLOTS, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(NUM_SLOTS, num_kv_heads, head_dim, generator=gen)
+    q = torch.randn(len(slot_lists), num_heads, head_dim, generator=gen) * 3  # peaked softmax
+    layout = native.DecodeLayout(slot_lists, find_shared_prefixes(slot_lists))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernel.attend(q, k, v, layout)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, reference(q, k, v, slot_lists), atol=2e-5, rtol=1e-4)
+
+
+def test_shared_runs_become_units() -> None:
+    """Requests on one run form one unit that reads it once; the others are units of their own."""
+    run = torch.arange(100, 150)
+    lists = [torch.cat([run, torch.tensor([1, 2])]), torch.arange(200, 240)]
+    lists.append(torch.cat([run, torch.tensor([3])]))
+    layout = native.DecodeLayout(lists, find_shared_prefixes(lists))
+    assert layout.num_units == 2
+    assert layout.units.tolist() == [0, 2, 3]
+    assert layout.member_row.tolist() == [0, 2, 1]
+    assert layout.shared.tolist() == [[0, 50], [53, 0]]  # the run once, then the loner
+    assert layout.own.tolist() == [[50, 2], [52, 1], [53, 40]]
+    assert layout.slots[:50].tolist() == run.tolist()
+
+
+def test_bad_inputs_are_refused() -> None:
+    kernel = require_native_kernel()
+    k = torch.zeros(8, 2, 16)
+    layout = native.DecodeLayout([torch.arange(3)], [])
+    with pytest.raises(ValueError, match="float32"):
+        kernel.attend(torch.zeros(1, 4, 16, dtype=torch.float64), k, k, layout)
+    with pytest.raises(ValueError, match="do not divide"):
+        kernel.attend(torch.zeros(1, 3, 16), k, k, layout)
+
+
+def test_disabled_by_environment(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("RADIXLM_NATIVE", "0")
+    native.decode_kernel.cache_clear()
+    try:
+        assert native.decode_kernel() is None
+    finally:
+        monkeypatch.delenv("RADIXLM_NATIVE")
+        native.decode_kernel.cache_clear()
