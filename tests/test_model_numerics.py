@@ -29,10 +29,12 @@ EMPTY = np.zeros(0, dtype=np.int64)
 class Session:
     """Our model plus a pool; remembers each request's slots like a (trivial) prefix cache."""
 
-    def __init__(self, model: CausalLM, seed: int = 0) -> None:
+    def __init__(
+        self, model: CausalLM, seed: int = 0, kv_dtype: torch.dtype = torch.float32
+    ) -> None:
         c = model.config
         self.model = model
-        self.pool = KVPool(512, c.num_layers, c.num_kv_heads, c.head_dim)
+        self.pool = KVPool(512, c.num_layers, c.num_kv_heads, c.head_dim, dtype=kv_dtype)
         self.rng = np.random.default_rng(seed)
 
     def slots(self, n: int) -> np.ndarray:
@@ -166,6 +168,33 @@ def test_decode_requests_sharing_prefix_slots(variant, fused, monkeypatch) -> No
     logits, _ = session.forward(steps, batch_slots, all_logits=False)
     for got, ids in zip(logits, [prefix + t for t in tails] + [alone]):
         assert_close(got, reference_logits(reference, ids)[-1])
+
+
+@pytest.mark.parametrize("native_decode", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_bfloat16_kv_decodes_sharing_a_prefix(
+    tiny_hf_model, dtype: str, native_decode: bool
+) -> None:  # type: ignore[no-untyped-def]
+    """A bfloat16 pool (under a bfloat16 or a float32 model): decodes on a shared run, in a pure
+    decode step and riding along with a prefill, stay near the float32 reference."""
+    tiny = tiny_hf_model("llama-gqa-llama3rope")
+    model = load_causal_lm(str(tiny.path), dtype=dtype)
+    model.native_decode = native_decode
+    if native_decode:
+        require_native_kernel()
+    prefix = random_ids(40, seed=60)
+    seqs = [prefix + random_ids(4 + i, seed=61 + i) for i in range(3)]
+    session = Session(model, kv_dtype=torch.bfloat16)
+    shared = session.prefill(prefix)
+    _, slots = session.forward([s[40:-2] for s in seqs], [shared] * 3, all_logits=False)
+    late = random_ids(9, seed=70)
+    steps = [[s[-2]] for s in seqs] + [late]
+    rows, slots = session.forward(steps, [*slots, EMPTY], all_logits=False)
+    for got, s in zip(rows, seqs):  # a mixed step: three decodes beside a prefill
+        assert (got - reference_logits(tiny.reference, s)[-2]).abs().max() < 0.5
+    rows, _ = session.forward([[s[-1]] for s in seqs], slots[:3], all_logits=False)
+    for got, s in zip(rows, seqs):  # a pure decode step
+        assert (got - reference_logits(tiny.reference, s)[-1]).abs().max() < 0.5
 
 
 def test_shared_runs_are_found_from_slot_ids() -> None:

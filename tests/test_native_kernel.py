@@ -72,13 +72,19 @@ def decode_batches(draw):  # type: ignore[no-untyped-def]
 
 
 @settings(max_examples=60, deadline=None)
-@given(batch=decode_batches(), threads=st.sampled_from([1, 2]))
-def test_kernel_matches_softmax_attention(batch, threads: int) -> None:  # type: ignore[no-untyped-def]
+@given(
+    batch=decode_batches(),
+    threads=st.sampled_from([1, 2]),
+    kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_kernel_matches_softmax_attention(batch, threads: int, kv_dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    """float32 arithmetic over float32 or bfloat16 storage: the reference reads the same stored
+    values, so both dtypes meet the float32 tolerance."""
     kernel = require_native_kernel()
     num_heads, num_kv_heads, head_dim, slot_lists = batch
     gen = torch.Generator().manual_seed(len(slot_lists))
-    k = torch.randn(NUM_SLOTS, num_kv_heads, head_dim, generator=gen)
-    v = torch.randn(NUM_SLOTS, num_kv_heads, head_dim, generator=gen)
+    k = torch.randn(NUM_SLOTS, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
+    v = torch.randn(NUM_SLOTS, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
     q = torch.randn(len(slot_lists), num_heads, head_dim, generator=gen) * 3  # peaked softmax
     layout = native.DecodeLayout(slot_lists, find_shared_prefixes(slot_lists))
     before = torch.get_num_threads()
@@ -108,10 +114,23 @@ def test_bad_inputs_are_refused() -> None:
     kernel = require_native_kernel()
     k = torch.zeros(8, 2, 16)
     layout = native.DecodeLayout([torch.arange(3)], [])
-    with pytest.raises(ValueError, match="float32"):
-        kernel.attend(torch.zeros(1, 4, 16, dtype=torch.float64), k, k, layout)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kernel.attend(torch.zeros(1, 4, 16), k.double(), k.double(), layout)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernel.attend(torch.zeros(1, 4, 16), k[::2], k[::2], layout)
     with pytest.raises(ValueError, match="do not divide"):
         kernel.attend(torch.zeros(1, 3, 16), k, k, layout)
+
+
+def test_bfloat16_queries_come_back_bfloat16() -> None:
+    kernel = require_native_kernel()
+    k = torch.randn(8, 2, 16, dtype=torch.bfloat16)
+    q = torch.randn(1, 4, 16, dtype=torch.bfloat16)
+    layout = native.DecodeLayout([torch.arange(5)], [])
+    got = kernel.attend(q, k, k, layout)
+    assert got.dtype == torch.bfloat16
+    want = reference(q.float(), k, k, [torch.arange(5)])
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
 def test_disabled_by_environment(monkeypatch) -> None:  # type: ignore[no-untyped-def]

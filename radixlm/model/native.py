@@ -33,6 +33,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
+KV_DTYPES = (torch.float32, torch.bfloat16)  # pool dtypes the kernel reads
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
 
 
@@ -65,37 +66,43 @@ class DecodeKernel:
         self._fn = lib.decode_attention
         self._fn.restype = ctypes.c_int
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fn.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_float, i64, p, p, p, p, p]
-        self._fn.argtypes += [ctypes.c_int]
+        self._fn.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int, ctypes.c_float, i64]
+        self._fn.argtypes += [p, p, p, p, p, ctypes.c_int]
 
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: DecodeLayout
     ) -> torch.Tensor:
-        """q (B, H, D) float32, one query per request; k/v_cache (num_slots, KV, D) -> (B, H, D).
+        """q (B, H, D), one query per request; k/v_cache (num_slots, KV, D) float32 or bfloat16
+        -> (B, H, D) in q's dtype. The members of `layout` are q's rows, in order.
 
-        The members of `layout` are q's rows, in order."""
-        for t in (q, k_cache, v_cache):
-            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-                raise ValueError("the decode kernel takes contiguous float32 CPU tensors")
+        Arithmetic is float32 whatever the storage (q and the output are widened/narrowed)."""
+        if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
+            raise ValueError(f"the decode kernel reads float32 or bfloat16 K/V: {k_cache.dtype}")
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("the decode kernel needs contiguous K/V pool layers")
+        if q.device.type != "cpu" or k_cache.device.type != "cpu":
+            raise ValueError("the decode kernel runs on CPU tensors")
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k_cache.shape[1]
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"{num_heads} query heads do not divide into {num_kv_heads} KV heads")
-        out = torch.empty_like(q)
+        q32 = q.to(torch.float32).contiguous()
+        out = torch.empty_like(q32)
         self._fn(
-            q.data_ptr(),
+            q32.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             out.data_ptr(),
             num_heads,
             num_kv_heads,
             head_dim,
+            int(k_cache.dtype == torch.bfloat16),
             head_dim**-0.5,
             layout.num_units,
             *layout.pointers,
             torch.get_num_threads(),
         )
-        return out
+        return out.to(q.dtype)
 
 
 def _build(compiler: str) -> Path:

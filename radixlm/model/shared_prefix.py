@@ -122,7 +122,7 @@ def shared_decode_attention(
     o_run = o_run.view(num_groups, kv, n_max, g, d).permute(0, 2, 1, 3, 4).reshape(-1, kv, g, d)
     lse_run = lse_run.view(num_groups, kv, n_max, g).permute(0, 2, 1, 3).reshape(-1, kv, g)
     valid = split.valid
-    out[split.grouped] = merge(o_run[valid], lse_run[valid], o_own, lse_own)
+    out[split.grouped] = merge(o_run[valid], lse_run[valid], o_own, lse_own).to(out.dtype)
     return out
 
 

@@ -159,8 +159,9 @@ class Decoder(nn.Module):
 class CausalLM(nn.Module):
     """Decoder + LM head. `forward(batch, pool)` -> (R, vocab) float32 logits of batch rows.
 
-    `native_decode`: attend decodes with the native kernel where it applies (float32 on CPU)
-    and could be built; False keeps every step on PyTorch attention (for comparisons)."""
+    `native_decode`: attend decodes with the native kernel where it applies (a float32 or
+    bfloat16 pool on CPU) and could be built; False keeps every step on PyTorch attention
+    (for comparisons)."""
 
     inv_freq: torch.Tensor  # (head_dim / 2,) rope frequencies, a buffer
     native_decode: bool = True
@@ -190,7 +191,7 @@ class CausalLM(nn.Module):
         c = self.config
         h = self.model.embed_tokens(batch.input_ids)  # (T, hidden)
         kernel = None
-        if self.native_decode and h.device.type == "cpu" and h.dtype == pool.dtype == torch.float32:
+        if self.native_decode and h.device.type == "cpu" and pool.dtype in native.KV_DTYPES:
             kernel = native.decode_kernel()
         plan = AttentionPlan.build(batch, c.num_kv_heads, c.head_dim, pool.dtype, kernel)
         rope = rope_cos_sin(batch.positions, self.inv_freq, h.dtype)

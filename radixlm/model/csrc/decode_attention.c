@@ -5,7 +5,7 @@
    memory that is read once here. And requests that sit on the same cached prefix (same slot ids)
    are attended as a *unit*: each K/V row of the shared run is loaded once and used by every
    member's queries, the way a radix tree would want it. Decode on a CPU is bound by memory
-   traffic, so both halve or better the time attention takes.
+   traffic, so both cut the time attention takes.
 
    Work is split into tasks = (unit, kv head); tasks never share an output row, so they run in
    parallel without locks (OpenMP; the process already holds PyTorch's libgomp, which this library
@@ -13,7 +13,7 @@
    the running sum l and the unnormalised output acc (online softmax), and walks its keys in
    chunks: the shared run first (all members' queries), then each member's own slots.
 
-   Layouts (float32, contiguous):
+   Layouts (contiguous; q, out float32; k, v float32 or bfloat16, `kv_bf16` says which):
      q, out     (B, H, D)             B requests, H query heads; heads h*G .. h*G+G-1 read kv head h
      k, v       (num_slots, KV, D)    one layer of the pool
      units      num_units + 1 offsets into the member arrays; unit u = members [units[u], units[u+1])
@@ -24,44 +24,56 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define CHUNK 32        /* keys per softmax update: the chunk's K/V rows stay in L1 */
 #define BLOCK 8         /* query rows updated together: their scores fit in registers and L1 */
 #define NO_SCORE -1e30f /* "minus infinity" that -ffast-math may not assume away */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 typedef struct {
-    const float *k, *v;
-    int64_t num_kv_heads, head;
+    const char *k, *v;     /* the pool layer, as bytes */
+    int64_t row_bytes;     /* one slot: KV * D elements */
+    int64_t head_offset;   /* bytes from a slot's start to this task's head */
 } KeySource;
+
+/* Element d of a K/V row. bfloat16 is the top half of a float32, so widening is a shift. */
+ALWAYS_INLINE float kv_at(const char *row, int64_t d, const int bf16)
+{
+    if (!bf16) return ((const float *)row)[d];
+    const uint32_t bits = (uint32_t)((const uint16_t *)row)[d] << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
 
 /* Slots lie anywhere in the pool: ask for a chunk's rows early, so their cache misses overlap
    the arithmetic on the chunk before instead of stalling one by one. */
-static inline __attribute__((always_inline)) void prefetch_rows(
-    const KeySource *src, const int64_t *slots, int64_t from, int64_t len, const int64_t D)
+ALWAYS_INLINE void prefetch_rows(const KeySource *src, const int64_t *slots, int64_t from,
+                                 int64_t len, int64_t head_bytes)
 {
-    const int64_t stride = src->num_kv_heads * D;
     for (int64_t j = from; j < from + CHUNK && j < len; j++) {
-        const int64_t row = slots[j] * stride + src->head * D;
-        for (int64_t d = 0; d < D; d += 16) { /* one cache line per 16 floats */
-            __builtin_prefetch(src->k + row + d);
-            __builtin_prefetch(src->v + row + d);
+        const int64_t at = slots[j] * src->row_bytes + src->head_offset;
+        for (int64_t b = 0; b < head_bytes; b += 64) { /* one cache line at a time */
+            __builtin_prefetch(src->k + at + b);
+            __builtin_prefetch(src->v + at + b);
         }
     }
 }
 
 /* Online-softmax update of nb <= BLOCK query rows (q, pre-scaled) with one chunk of keys. */
-static inline __attribute__((always_inline)) void update_block(
-    const float *const *k_rows, const float *const *v_rows, int64_t count, const float *q,
-    int64_t nb, float *acc, float *m, float *l, const int64_t D)
+ALWAYS_INLINE void update_block(const char *const *k_rows, const char *const *v_rows,
+                                int64_t count, const float *q, int64_t nb, float *acc, float *m,
+                                float *l, const int64_t D, const int bf16)
 {
     float scores[BLOCK * CHUNK];
     for (int64_t j = 0; j < count; j++) { /* scores (nb, count) = q K^T */
-        const float *k = k_rows[j];
+        const char *k = k_rows[j];
         for (int64_t i = 0; i < nb; i++) {
             const float *qi = q + i * D;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; d++) dot += qi[d] * k[d];
+            for (int64_t d = 0; d < D; d++) dot += qi[d] * kv_at(k, d, bf16);
             scores[i * CHUNK + j] = dot;
         }
     }
@@ -83,94 +95,107 @@ static inline __attribute__((always_inline)) void update_block(
         for (int64_t d = 0; d < D; d++) a[d] *= alpha;
     }
     for (int64_t j = 0; j < count; j++) { /* acc += P V */
-        const float *v = v_rows[j];
+        const char *v = v_rows[j];
         for (int64_t i = 0; i < nb; i++) {
             const float p = scores[i * CHUNK + j];
             float *a = acc + i * D;
 #pragma omp simd
-            for (int64_t d = 0; d < D; d++) a[d] += p * v[d];
+            for (int64_t d = 0; d < D; d++) a[d] += p * kv_at(v, d, bf16);
         }
     }
 }
 
 /* n query rows (contiguous, pre-scaled) attend to the keys slots[0 .. len): each K/V row is
    loaded once per chunk and used by all n rows, in blocks of BLOCK. */
-static inline __attribute__((always_inline)) void attend_keys(
-    const KeySource *src, const float *q, int64_t n, const int64_t *slots, int64_t len,
-    float *acc, float *m, float *l, const int64_t D)
+ALWAYS_INLINE void attend_keys(const KeySource *src, const float *q, int64_t n,
+                               const int64_t *slots, int64_t len, float *acc, float *m, float *l,
+                               const int64_t D, const int bf16)
 {
-    const int64_t stride = src->num_kv_heads * D;
-    const float *k_rows[CHUNK], *v_rows[CHUNK];
+    const int64_t head_bytes = D * (bf16 ? 2 : 4);
+    const char *k_rows[CHUNK], *v_rows[CHUNK];
     for (int64_t start = 0; start < len; start += CHUNK) {
         const int64_t count = len - start < CHUNK ? len - start : CHUNK;
-        prefetch_rows(src, slots, start + CHUNK, len, D);
+        prefetch_rows(src, slots, start + CHUNK, len, head_bytes);
         for (int64_t j = 0; j < count; j++) {
-            const int64_t row = slots[start + j] * stride + src->head * D;
-            k_rows[j] = src->k + row;
-            v_rows[j] = src->v + row;
+            const int64_t at = slots[start + j] * src->row_bytes + src->head_offset;
+            k_rows[j] = src->k + at;
+            v_rows[j] = src->v + at;
         }
         for (int64_t i = 0; i < n; i += BLOCK) {
             const int64_t nb = n - i < BLOCK ? n - i : BLOCK;
-            update_block(k_rows, v_rows, count, q + i * D, nb, acc + i * D, m + i, l + i, D);
+            update_block(k_rows, v_rows, count, q + i * D, nb, acc + i * D, m + i, l + i, D,
+                         bf16);
         }
     }
 }
 
-/* One task: kv head `head` of one unit. Scratch holds n rows of acc (D), m and l. */
-static inline __attribute__((always_inline)) void run_task(
-    const float *q, float *out, const KeySource *src, int64_t num_heads, float scale,
-    int64_t member_begin, int64_t member_end, const int64_t *shared, const int64_t *own, const int64_t *member_row,
-    const int64_t *slots, const int64_t D)
+typedef struct {
+    const float *q;
+    float *out;
+    int64_t num_heads, group; /* group: query heads per kv head */
+    float scale;
+    const int64_t *units, *shared, *own, *member_row, *slots;
+} Batch;
+
+/* One task: kv head `head` of unit u. */
+ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int64_t head,
+                            const int64_t D, const int bf16)
 {
-    const int64_t group = num_heads / src->num_kv_heads;
-    const int64_t n = (member_end - member_begin) * group;
+    const int64_t first = b->units[u], num_members = b->units[u + 1] - first;
+    const int64_t group = b->group, n = num_members * group;
     /* Scratch: the n query rows copied contiguous and pre-scaled, then acc (n, D), m, l. */
     float *qs = calloc((size_t)(n * (2 * D + 2)), sizeof(float));
     if (qs == NULL) abort(); /* a few KB; nothing sensible to do without it */
     float *acc = qs + n * D, *m = acc + n * D, *l = m + n;
     for (int64_t i = 0; i < n; i++) {
-        const int64_t row = member_row[member_begin + i / group];
-        const float *qi = q + (row * num_heads + src->head * group + i % group) * D;
-        for (int64_t d = 0; d < D; d++) qs[i * D + d] = qi[d] * scale;
+        const int64_t row = b->member_row[first + i / group];
+        const float *qi = b->q + (row * b->num_heads + head * group + i % group) * D;
+        for (int64_t d = 0; d < D; d++) qs[i * D + d] = qi[d] * b->scale;
         m[i] = NO_SCORE;
     }
-    if (shared[1] > 0) attend_keys(src, qs, n, slots + shared[0], shared[1], acc, m, l, D);
-    for (int64_t r = 0; r < member_end - member_begin; r++) {
-        const int64_t *mine = own + 2 * (member_begin + r);
-        const int64_t at = r * group;
-        attend_keys(src, qs + at * D, group, slots + mine[0], mine[1], acc + at * D, m + at,
-                    l + at, D);
+    const int64_t *run = b->shared + 2 * u;
+    if (run[1] > 0) attend_keys(src, qs, n, b->slots + run[0], run[1], acc, m, l, D, bf16);
+    for (int64_t r = 0; r < num_members; r++) {
+        const int64_t *mine = b->own + 2 * (first + r), at = r * group;
+        attend_keys(src, qs + at * D, group, b->slots + mine[0], mine[1], acc + at * D, m + at,
+                    l + at, D, bf16);
     }
     for (int64_t i = 0; i < n; i++) {
-        const int64_t row = member_row[member_begin + i / group];
-        float *o = out + (row * num_heads + src->head * group + i % group) * D;
+        const int64_t row = b->member_row[first + i / group];
+        float *o = b->out + (row * b->num_heads + head * group + i % group) * D;
         const float inv = 1.0f / l[i];
         for (int64_t d = 0; d < D; d++) o[d] = acc[i * D + d] * inv;
     }
     free(qs);
 }
 
-int decode_attention(const float *q, const float *k, const float *v, float *out, int64_t num_heads,
-                     int64_t num_kv_heads, int64_t head_dim, float scale, int64_t num_units,
-                     const int64_t *units, const int64_t *shared, const int64_t *own,
-                     const int64_t *member_row, const int64_t *slots, int num_threads)
+/* Literal head sizes and element types let the compiler unroll and specialise the loops. */
+static void run_task_dispatch(const Batch *b, const KeySource *src, int64_t u, int64_t head,
+                              int64_t D, int bf16)
+{
+    if (D == 64 && !bf16) run_task(b, src, u, head, 64, 0);
+    else if (D == 64) run_task(b, src, u, head, 64, 1);
+    else if (D == 128 && !bf16) run_task(b, src, u, head, 128, 0);
+    else if (D == 128) run_task(b, src, u, head, 128, 1);
+    else if (!bf16) run_task(b, src, u, head, D, 0);
+    else run_task(b, src, u, head, D, 1);
+}
+
+int decode_attention(const float *q, const void *k, const void *v, float *out, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_dim, int kv_bf16, float scale,
+                     int64_t num_units, const int64_t *units, const int64_t *shared,
+                     const int64_t *own, const int64_t *member_row, const int64_t *slots,
+                     int num_threads)
 {
     if (num_heads % num_kv_heads != 0) return 1;
-    const int64_t num_tasks = num_units * num_kv_heads;
+    const Batch batch = {q,     out,    num_heads, num_heads / num_kv_heads, scale, units, shared,
+                         own,   member_row, slots};
+    const int64_t elem = kv_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t t = 0; t < num_tasks; t++) {
-        const int64_t u = t / num_kv_heads;
-        const KeySource src = {k, v, num_kv_heads, t % num_kv_heads};
-        /* Literal head sizes let the compiler unroll the inner loops fully. */
-        if (head_dim == 64)
-            run_task(q, out, &src, num_heads, scale, units[u], units[u + 1], shared + 2 * u, own,
-                     member_row, slots, 64);
-        else if (head_dim == 128)
-            run_task(q, out, &src, num_heads, scale, units[u], units[u + 1], shared + 2 * u, own,
-                     member_row, slots, 128);
-        else
-            run_task(q, out, &src, num_heads, scale, units[u], units[u + 1], shared + 2 * u, own,
-                     member_row, slots, head_dim);
+    for (int64_t t = 0; t < num_units * num_kv_heads; t++) {
+        const int64_t head = t % num_kv_heads;
+        const KeySource src = {k, v, num_kv_heads * head_dim * elem, head * head_dim * elem};
+        run_task_dispatch(&batch, &src, t / num_kv_heads, head, head_dim, kv_bf16);
     }
     return 0;
 }
