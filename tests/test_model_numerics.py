@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 import torch
-from test_native_kernel import require_native_kernel
+from test_native_kernel import require_native_kernels
 
 from radixlm.cache.kv_pool import KVPool
 from radixlm.model import shared_prefix
@@ -75,14 +75,14 @@ def assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
     assert diff <= TOLERANCE, f"max abs diff {diff:.2e} > {TOLERANCE:.0e}"
 
 
-@pytest.fixture(params=["native", "torch"], ids=["native-decode", "torch-decode"])
+@pytest.fixture(params=["native", "torch"], ids=["native-attention", "torch-attention"])
 def variant(each_tiny_hf_model, request):  # type: ignore[no-untyped-def]
-    """(our model, the transformers reference), once per flag combination and decode attention
-    (the native kernel reading the pool in place; PyTorch SDPA over gathered K/V)."""
+    """(our model, the transformers reference), once per flag combination and attention path
+    (the native kernels reading the pool in place; PyTorch SDPA over gathered K/V)."""
     model = load_causal_lm(str(each_tiny_hf_model.path))
-    model.native_decode = request.param == "native"
-    if model.native_decode:
-        require_native_kernel()
+    model.native_kernels = request.param == "native"
+    if model.native_kernels:
+        require_native_kernels()
     return model, each_tiny_hf_model.reference
 
 
@@ -170,18 +170,18 @@ def test_decode_requests_sharing_prefix_slots(variant, fused, monkeypatch) -> No
         assert_close(got, reference_logits(reference, ids)[-1])
 
 
-@pytest.mark.parametrize("native_decode", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("native_kernels", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_bfloat16_kv_decodes_sharing_a_prefix(
-    tiny_hf_model, dtype: str, native_decode: bool
+    tiny_hf_model, dtype: str, native_kernels: bool
 ) -> None:  # type: ignore[no-untyped-def]
     """A bfloat16 pool (under a bfloat16 or a float32 model): decodes on a shared run, in a pure
     decode step and riding along with a prefill, stay near the float32 reference."""
     tiny = tiny_hf_model("llama-gqa-llama3rope")
     model = load_causal_lm(str(tiny.path), dtype=dtype)
-    model.native_decode = native_decode
-    if native_decode:
-        require_native_kernel()
+    model.native_kernels = native_kernels
+    if native_kernels:
+        require_native_kernels()
     prefix = random_ids(40, seed=60)
     seqs = [prefix + random_ids(4 + i, seed=61 + i) for i in range(3)]
     session = Session(model, kv_dtype=torch.bfloat16)

@@ -1,10 +1,12 @@
-"""The native decode-attention kernel equals softmax attention over each request's gathered K/V.
+"""The native kernels equal softmax attention over each request's gathered K/V.
 
-Property-based: random pools, slot lists that share leading runs (as the radix tree hands them
-out) or not, GQA ratios, head sizes with and without a specialised build, lengths on and off the
-kernel's chunk boundaries, groups larger than its query block. The reference is the textbook
-formula in float64 over `k_cache[slots]`; the model-level tests (test_model_numerics.py) check
-the kernel against transformers through the whole decoder.
+Property-based: random pools, GQA ratios, head sizes with and without a specialised build,
+float32 and bfloat16 storage, lengths on and off the kernels' block boundaries. Decode: slot
+lists that share leading runs (as the radix tree hands them out) or not, groups larger than the
+query block. Extend: several requests in one call, cached prefixes of any length (none included),
+new tokens from one to a few tiles. The reference is the textbook formula in float64 over
+`k_cache[slots]`; the model-level tests (test_model_numerics.py) check the kernels against
+transformers through the whole decoder.
 """
 
 from __future__ import annotations
@@ -22,15 +24,15 @@ from radixlm.model.shared_prefix import find_shared_prefixes
 NUM_SLOTS = 4096
 
 
-def require_native_kernel() -> native.DecodeKernel:
+def require_native_kernels() -> native.Kernels:
     """The kernel; a test that needs it fails if a C compiler exists but the build does not work
     (and is skipped, saying so, only on a machine without a compiler)."""
-    kernel = native.decode_kernel()
-    if kernel is None:
+    kernels = native.kernels()
+    if kernels is None:
         if shutil.which("cc") is None and shutil.which("gcc") is None:
             pytest.skip("no C compiler: the native kernel cannot be built here")
-        pytest.fail("a C compiler is present but the native decode kernel did not build")
-    return kernel
+        pytest.fail("a C compiler is present but the native kernels did not build")
+    return kernels
 
 
 def reference(
@@ -80,7 +82,7 @@ def decode_batches(draw):  # type: ignore[no-untyped-def]
 def test_kernel_matches_softmax_attention(batch, threads: int, kv_dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
     """float32 arithmetic over float32 or bfloat16 storage: the reference reads the same stored
     values, so both dtypes meet the float32 tolerance."""
-    kernel = require_native_kernel()
+    kernels = require_native_kernels()
     num_heads, num_kv_heads, head_dim, slot_lists = batch
     gen = torch.Generator().manual_seed(len(slot_lists))
     k = torch.randn(NUM_SLOTS, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
@@ -90,10 +92,66 @@ def test_kernel_matches_softmax_attention(batch, threads: int, kv_dtype: torch.d
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = kernel.attend(q, k, v, layout)
+        got = kernels.decode(q, k, v, layout)
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(got, reference(q, k, v, slot_lists), atol=2e-5, rtol=1e-4)
+
+
+def causal_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, prefix_len: int
+) -> torch.Tensor:
+    """q (e, H, D) of the new tokens; keys slots (prefix_len + e) -> (e, H, D), float64 math."""
+    extend_len, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[1]
+    ks = k[slots].double().repeat_interleave(group, dim=1)  # (L, H, D)
+    vs = v[slots].double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("ehd,lhd->hel", q.double(), ks) / head_dim**0.5
+    future = torch.arange(len(slots))[None, :] > torch.arange(extend_len)[:, None] + prefix_len
+    scores = scores.masked_fill(future, float("-inf"))
+    return torch.einsum("hel,lhd->ehd", scores.softmax(-1), vs).float()
+
+
+@st.composite
+def extend_batches(draw):  # type: ignore[no-untyped-def]
+    """(heads, kv_heads, head_dim, [(prefix_len, extend_len)])."""
+    num_kv_heads = draw(st.sampled_from([1, 2, 3]))
+    num_heads = num_kv_heads * draw(st.sampled_from([1, 3, 4]))
+    head_dim = draw(st.sampled_from([64, 16, 32, 128, 80]))
+    lengths = st.tuples(st.sampled_from([0, 1, 31, 32, 33, 100]), st.integers(1, 80))
+    return num_heads, num_kv_heads, head_dim, draw(st.lists(lengths, min_size=1, max_size=4))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batch=extend_batches(),
+    threads=st.sampled_from([1, 2]),
+    kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_extend_kernel_matches_causal_attention(batch, threads, kv_dtype, seed) -> None:  # type: ignore[no-untyped-def]
+    kernels = require_native_kernels()
+    num_heads, num_kv_heads, head_dim, lengths = batch
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(NUM_SLOTS, generator=gen)
+    k = torch.randn(NUM_SLOTS, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
+    v = torch.randn(NUM_SLOTS, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
+    total = sum(e for _, e in lengths)
+    q = torch.randn(total, num_heads, head_dim, generator=gen) * 3
+    spans, taken, first = [], 0, 0
+    for prefix_len, extend_len in lengths:
+        slots = order[taken : taken + prefix_len + extend_len]
+        spans.append((first, extend_len, prefix_len, slots))
+        taken, first = taken + len(slots), first + extend_len
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernels.extend(q, k, v, native.ExtendLayout(spans))
+    finally:
+        torch.set_num_threads(before)
+    for first, extend_len, prefix_len, slots in spans:
+        want = causal_reference(q[first : first + extend_len], k, v, slots, prefix_len)
+        torch.testing.assert_close(got[first : first + extend_len], want, atol=2e-5, rtol=1e-4)
 
 
 def test_shared_runs_become_units() -> None:
@@ -111,23 +169,26 @@ def test_shared_runs_become_units() -> None:
 
 
 def test_bad_inputs_are_refused() -> None:
-    kernel = require_native_kernel()
+    kernels = require_native_kernels()
     k = torch.zeros(8, 2, 16)
     layout = native.DecodeLayout([torch.arange(3)], [])
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        kernel.attend(torch.zeros(1, 4, 16), k.double(), k.double(), layout)
+        kernels.decode(torch.zeros(1, 4, 16), k.double(), k.double(), layout)
     with pytest.raises(ValueError, match="contiguous"):
-        kernel.attend(torch.zeros(1, 4, 16), k[::2], k[::2], layout)
+        kernels.decode(torch.zeros(1, 4, 16), k[::2], k[::2], layout)
     with pytest.raises(ValueError, match="do not divide"):
-        kernel.attend(torch.zeros(1, 3, 16), k, k, layout)
+        kernels.decode(torch.zeros(1, 3, 16), k, k, layout)
+    spans = native.ExtendLayout([(0, 2, 1, torch.arange(3))])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernels.extend(torch.zeros(2, 4, 8), torch.zeros(8, 2, 8), torch.zeros(8, 2, 8), spans)
 
 
 def test_bfloat16_queries_come_back_bfloat16() -> None:
-    kernel = require_native_kernel()
+    kernels = require_native_kernels()
     k = torch.randn(8, 2, 16, dtype=torch.bfloat16)
     q = torch.randn(1, 4, 16, dtype=torch.bfloat16)
     layout = native.DecodeLayout([torch.arange(5)], [])
-    got = kernel.attend(q, k, k, layout)
+    got = kernels.decode(q, k, k, layout)
     assert got.dtype == torch.bfloat16
     want = reference(q.float(), k, k, [torch.arange(5)])
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
@@ -135,9 +196,9 @@ def test_bfloat16_queries_come_back_bfloat16() -> None:
 
 def test_disabled_by_environment(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("RADIXLM_NATIVE", "0")
-    native.decode_kernel.cache_clear()
+    native.kernels.cache_clear()
     try:
-        assert native.decode_kernel() is None
+        assert native.kernels() is None
     finally:
         monkeypatch.delenv("RADIXLM_NATIVE")
-        native.decode_kernel.cache_clear()
+        native.kernels.cache_clear()

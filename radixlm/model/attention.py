@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.kv_gather import PaddedRuns, gather_rows, head_rows
-from radixlm.model.native import DecodeKernel, DecodeLayout
+from radixlm.model.native import DecodeLayout, ExtendLayout, Kernels
 from radixlm.model.shared_prefix import (
     SharedDecode,
     find_shared_prefixes,
@@ -57,7 +57,7 @@ class DecodeGroup:
     run of slots."""
 
     token_rows: torch.Tensor | None  # (B,) their rows among the T new tokens; None = all, in order
-    kernel: DecodeKernel | None  # the native kernel and its layout of the group, or
+    kernels: Kernels | None  # the native kernels and the group's layout for them, or
     layout: DecodeLayout | None
     plain: PaddedRuns | None  # every member's whole slot list, for PyTorch attention
     shared: SharedDecode | None  # the split, when it reads clearly fewer K/V rows
@@ -74,8 +74,10 @@ class AttentionPlan:
     extend step has a span per multi-token request, and its one-token requests (decodes riding
     along with a prefill chunk) form a DecodeGroup of their own."""
 
-    spans: list[ExtendSpan]
+    spans: list[ExtendSpan]  # multi-token requests for PyTorch attention
+    native_spans: ExtendLayout | None  # or all of them, for the native extend kernel
     decode: DecodeGroup | None
+    kernels: Kernels | None
     k_buffer: torch.Tensor  # (rows, D) gather destination, reused by every layer
     v_buffer: torch.Tensor
 
@@ -86,11 +88,13 @@ class AttentionPlan:
         num_kv_heads: int,
         head_dim: int,
         kv_dtype: torch.dtype,
-        kernel: DecodeKernel | None = None,
+        kernels: Kernels | None = None,
     ) -> AttentionPlan:
-        """`kernel`: the native decode kernel, for float32 queries and K/V on CPU (or None)."""
+        """`kernels`: the native kernels, for K/V in a CPU pool they read (or None)."""
         device = batch.input_ids.device
+        native_extend = kernels is not None and head_dim % 16 == 0
         spans: list[ExtendSpan] = []
+        native: list[tuple[int, int, int, torch.Tensor]] = []
         one_token: list[int] = []  # requests that go to the decode group
         start = 0
         for i, (slots, prefix_len, extend_len) in enumerate(
@@ -98,10 +102,13 @@ class AttentionPlan:
         ):
             if extend_len == 1 and prefix_len > 0:
                 one_token.append(i)
+            elif native_extend:
+                native.append((start, extend_len, prefix_len, slots))
             else:
                 spans.append(_extend_span(slots, prefix_len, extend_len, start, num_kv_heads))
             start += extend_len
-        decode = _decode_group(batch, one_token, num_kv_heads, kernel) if one_token else None
+        native_spans = ExtendLayout(native) if native else None
+        decode = _decode_group(batch, one_token, num_kv_heads, kernels) if one_token else None
         num_rows = max(
             [0]
             + [s.gather_rows.numel() for s in spans if s.gather_rows is not None]
@@ -109,7 +116,7 @@ class AttentionPlan:
         )
         k_buffer = torch.empty(num_rows, head_dim, dtype=kv_dtype, device=device)
         v_buffer = torch.empty_like(k_buffer)
-        return cls(spans, decode, k_buffer, v_buffer)
+        return cls(spans, native_spans, decode, kernels, k_buffer, v_buffer)
 
 
 def _extend_span(
@@ -125,7 +132,7 @@ def _extend_span(
 
 
 def _decode_group(
-    batch: ForwardBatch, members: list[int], num_kv_heads: int, kernel: DecodeKernel | None
+    batch: ForwardBatch, members: list[int], num_kv_heads: int, kernels: Kernels | None
 ) -> DecodeGroup:
     device = batch.input_ids.device
     slot_lists = [batch.seq_slots[i] for i in members]
@@ -133,9 +140,9 @@ def _decode_group(
     if len(members) != batch.batch_size:  # a mixed batch: pick the members' rows out of T
         ends = torch.tensor(batch.extend_lens, device=device).cumsum(0)
         token_rows = ends[members] - 1
-    if kernel is not None:
+    if kernels is not None:
         layout = DecodeLayout(slot_lists, find_shared_prefixes(slot_lists))
-        return DecodeGroup(token_rows, kernel, layout, None, None)
+        return DecodeGroup(token_rows, kernels, layout, None, None)
     shared = plan_shared_decode(slot_lists, num_kv_heads) if device.type == "cpu" else None
     plain = PaddedRuns.of(slot_lists, num_kv_heads)
     return DecodeGroup(token_rows, None, None, plain, shared)
@@ -157,6 +164,9 @@ def attend(
     if group is not None and group.token_rows is None:  # a pure decode step
         return _decode(q, k_cache, v_cache, plan, group)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    if plan.native_spans is not None and plan.kernels is not None:
+        # every multi-token request at once; the decode rows are filled in below
+        out = plan.kernels.extend(q, k_cache, v_cache, plan.native_spans).view(out.shape)
     for span in plan.spans:
         out[span.start : span.end] = _extend_one(q, k, v, k_cache, v_cache, plan, span)
     if group is not None:
@@ -197,8 +207,8 @@ def _decode(
 ) -> torch.Tensor:
     """q (B, heads, D): one query per request of the group -> (B, heads * D)."""
     batch_size, num_heads, head_dim = q.shape
-    if group.kernel is not None and group.layout is not None:
-        o = group.kernel.attend(q.contiguous(), k_cache, v_cache, group.layout)  # (B, heads, D)
+    if group.kernels is not None and group.layout is not None:
+        o = group.kernels.decode(q, k_cache, v_cache, group.layout)  # (B, heads, D)
         return o.view(batch_size, num_heads * head_dim)
     num_kv_heads = k_cache.shape[1]
     qs = q.reshape(batch_size, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B,kv,G,D)

@@ -1,14 +1,18 @@
 """Native CPU kernels: C sources in csrc/, compiled on first use for this machine, called by ctypes.
 
-Why C and not a PyTorch extension: one small file compiles in about a second with the system C
-compiler and needs neither PyTorch's headers nor ninja. Why compile here and not ship a binary:
+    csrc/decode_attention.c   one query per request; requests on a shared run read it once
+    csrc/extend_attention.c   prefill: new tokens attend causally to their prefix and themselves
+
+Both read K/V where they lie in the pool (float32 or bfloat16), with no gather. Why C and not a
+PyTorch extension: two small files compile in a second or two with the system C compiler and
+need neither PyTorch's headers nor ninja. Why compile here and not ship a binary:
 `-march=native` picks this CPU's vector units (AVX2 or AVX-512), which the hot loops depend on.
 
 The library lands in a cache directory (`$RADIXLM_CACHE_DIR`, else `~/.cache/radixlm`) under a
-name that hashes the source, the flags and the CPU, so a changed kernel or a different machine
+name that hashes the sources, the flags and the CPU, so a changed kernel or a different machine
 gets its own build; it is written to a temporary name and renamed, so concurrent builds are
-safe. Without a C compiler, or with `RADIXLM_NATIVE=0`, `load()` returns None and callers use
-their PyTorch path: the kernels make things faster, never possible.
+safe. Without a C compiler, or with `RADIXLM_NATIVE=0`, `kernels()` returns None and callers
+use their PyTorch path: the kernels make things faster, never possible.
 
 OpenMP: the library is linked to libgomp.so.1. PyTorch has already loaded its own libgomp.so.1
 into the process by then (it is imported first), and the dynamic loader resolves the name to that
@@ -27,13 +31,16 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
-KV_DTYPES = (torch.float32, torch.bfloat16)  # pool dtypes the kernel reads
+SOURCES = [
+    Path(__file__).parent / "csrc" / name for name in ("decode_attention.c", "extend_attention.c")
+]
+KV_DTYPES = (torch.float32, torch.bfloat16)  # pool dtypes the kernels read
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
 
 
@@ -43,8 +50,8 @@ def enabled() -> bool:
 
 
 @functools.cache
-def decode_kernel() -> DecodeKernel | None:
-    """The decode-attention kernel, built on first use; None where it cannot be built."""
+def kernels() -> Kernels | None:
+    """The kernels, built on first use; None where they cannot be built."""
     if not enabled():
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -56,68 +63,114 @@ def decode_kernel() -> DecodeKernel | None:
     except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
         log.warning("native kernels failed to build (%s): PyTorch attention used", exc)
         return None
-    return DecodeKernel(ctypes.CDLL(str(path)))
+    return Kernels(ctypes.CDLL(str(path)))
 
 
-class DecodeKernel:
-    """csrc/decode_attention.c: one query per request, K/V read in place from the pool."""
+class Kernels:
+    """The compiled library. Arithmetic is float32 whatever the storage: queries are widened
+    and outputs narrowed to the queries' dtype."""
 
     def __init__(self, lib: ctypes.CDLL):
-        self._fn = lib.decode_attention
-        self._fn.restype = ctypes.c_int
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fn.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int, ctypes.c_float, i64]
-        self._fn.argtypes += [p, p, p, p, p, ctypes.c_int]
+        p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        # q k v out, H KV D, bf16, scale, count of units or spans
+        common: list[Any] = [p, p, p, p, i64, i64, i64, i32, f32, i64]
+        self._decode = lib.decode_attention
+        self._decode.argtypes = [*common, p, p, p, p, p, i32]
+        self._extend = lib.extend_attention
+        self._extend.argtypes = [*common, p, p, i32]
+        self._decode.restype = self._extend.restype = ctypes.c_int
 
-    def attend(
+    def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: DecodeLayout
     ) -> torch.Tensor:
-        """q (B, H, D), one query per request; k/v_cache (num_slots, KV, D) float32 or bfloat16
-        -> (B, H, D) in q's dtype. The members of `layout` are q's rows, in order.
-
-        Arithmetic is float32 whatever the storage (q and the output are widened/narrowed)."""
-        if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
-            raise ValueError(f"the decode kernel reads float32 or bfloat16 K/V: {k_cache.dtype}")
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError("the decode kernel needs contiguous K/V pool layers")
-        if q.device.type != "cpu" or k_cache.device.type != "cpu":
-            raise ValueError("the decode kernel runs on CPU tensors")
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads = k_cache.shape[1]
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(f"{num_heads} query heads do not divide into {num_kv_heads} KV heads")
-        q32 = q.to(torch.float32).contiguous()
-        out = torch.empty_like(q32)
-        self._fn(
-            q32.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            out.data_ptr(),
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            int(k_cache.dtype == torch.bfloat16),
-            head_dim**-0.5,
-            layout.num_units,
-            *layout.pointers,
-            torch.get_num_threads(),
+        """q (B, H, D), one query per request (the members of `layout`, in order); k/v_cache
+        (num_slots, KV, D) -> (B, H, D)."""
+        q32, out = _checked(q, k_cache, v_cache)
+        status = self._decode(
+            *_common(q32, k_cache, v_cache, out, layout.num_units), *layout.pointers, _threads()
         )
+        if status != 0:
+            raise RuntimeError(f"decode_attention failed ({status})")
+        return out.to(q.dtype)
+
+    def extend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: ExtendLayout
+    ) -> torch.Tensor:
+        """q (T, H, D): the new tokens of the requests in `layout`, back to back; k/v_cache
+        (num_slots, KV, D), already holding the new tokens' K/V -> (T, H, D). Rows of q that
+        belong to no span of the layout come back uninitialised."""
+        if q.shape[2] % 16 != 0:
+            raise ValueError(f"the extend kernel needs head_dim a multiple of 16, not {q.shape[2]}")
+        q32, out = _checked(q, k_cache, v_cache)
+        status = self._extend(
+            *_common(q32, k_cache, v_cache, out, layout.num_spans), *layout.pointers, _threads()
+        )
+        if status != 0:
+            raise RuntimeError(f"extend_attention failed ({status})")
         return out.to(q.dtype)
 
 
+class ExtendLayout:
+    """Requests with new tokens for the extend kernel: per span, its first row among the T new
+    tokens, extend_len, prefix_len, and where its prefix_len + extend_len slots start in `slots`.
+    """
+
+    def __init__(self, spans: list[tuple[int, int, int, torch.Tensor]]):
+        """spans: (first row, extend_len, prefix_len, all of the request's slots)."""
+        rows, offset = [], 0
+        for first, extend_len, prefix_len, slots in spans:
+            rows.append((first, extend_len, prefix_len, offset))
+            offset += len(slots)
+        self.num_spans = len(spans)
+        self.spans = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
+        self.slots = torch.cat([s for *_, s in spans]).to(torch.int64).cpu()
+        self.pointers = (self.spans.data_ptr(), self.slots.data_ptr())  # alive with the tensors
+
+
+def _checked(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate the shared arguments; q as contiguous float32 and an output like it."""
+    if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"the native kernels read float32 or bfloat16 K/V: {k_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the native kernels need contiguous K/V pool layers")
+    if q.device.type != "cpu" or k_cache.device.type != "cpu":
+        raise ValueError("the native kernels run on CPU tensors")
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"{num_heads} query heads do not divide into {num_kv_heads} KV heads")
+    q32 = q.to(torch.float32).contiguous()
+    return q32, torch.empty_like(q32)
+
+
+def _common(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, count: int
+) -> tuple[int | float, ...]:
+    head_dim = q.shape[2]
+    bf16 = int(k.dtype == torch.bfloat16)
+    pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
+    return (*pointers, q.shape[1], k.shape[1], head_dim, bf16, head_dim**-0.5, count)
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
 def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source)
+    key = hashlib.sha256()
+    for source in SOURCES:
+        key.update(source.read_bytes())
     for part in (compiler, " ".join(FLAGS), platform.machine(), _cpu_flags()):
         key.update(part.encode())
     cache = Path(os.environ.get("RADIXLM_CACHE_DIR") or Path.home() / ".cache" / "radixlm")
-    path = cache / f"decode_attention-{key.hexdigest()[:16]}.so"
+    path = cache / f"radixlm_kernels-{key.hexdigest()[:16]}.so"
     if path.exists():
         return path
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         built = Path(tmp) / path.name
-        cmd = [compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"]
+        cmd = [compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
         built.replace(path)  # atomic: a concurrent build of the same key writes the same bytes
     return path

@@ -159,12 +159,12 @@ class Decoder(nn.Module):
 class CausalLM(nn.Module):
     """Decoder + LM head. `forward(batch, pool)` -> (R, vocab) float32 logits of batch rows.
 
-    `native_decode`: attend decodes with the native kernel where it applies (a float32 or
-    bfloat16 pool on CPU) and could be built; False keeps every step on PyTorch attention
+    `native_kernels`: attend with the native kernels (native.py) where they apply (a float32
+    or bfloat16 pool on CPU) and could be built; False keeps every step on PyTorch attention
     (for comparisons)."""
 
     inv_freq: torch.Tensor  # (head_dim / 2,) rope frequencies, a buffer
-    native_decode: bool = True
+    native_kernels: bool = True
 
     def __init__(self, config: ArchConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -190,10 +190,10 @@ class CausalLM(nn.Module):
         self._check_fits(batch, pool)
         c = self.config
         h = self.model.embed_tokens(batch.input_ids)  # (T, hidden)
-        kernel = None
-        if self.native_decode and h.device.type == "cpu" and pool.dtype in native.KV_DTYPES:
-            kernel = native.decode_kernel()
-        plan = AttentionPlan.build(batch, c.num_kv_heads, c.head_dim, pool.dtype, kernel)
+        kernels = None
+        if self.native_kernels and h.device.type == "cpu" and pool.dtype in native.KV_DTYPES:
+            kernels = native.kernels()
+        plan = AttentionPlan.build(batch, c.num_kv_heads, c.head_dim, pool.dtype, kernels)
         rope = rope_cos_sin(batch.positions, self.inv_freq, h.dtype)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, rope, batch.out_slots, (pool.k_cache(i), pool.v_cache(i)), plan)
