@@ -54,7 +54,7 @@ def decode_batches(draw):  # type: ignore[no-untyped-def]
     """(heads, kv_heads, head_dim, slot lists) with some lists sharing a leading run."""
     num_kv_heads = draw(st.sampled_from([1, 2, 3]))
     num_heads = num_kv_heads * draw(st.sampled_from([1, 3, 4]))
-    head_dim = draw(st.sampled_from([64, 32, 128, 24]))
+    head_dim = draw(st.sampled_from([64, 16, 32, 128, 80]))
     seed = draw(st.integers(0, 2**31 - 1))
     order = torch.randperm(NUM_SLOTS, generator=torch.Generator().manual_seed(seed))
     taken = 0
@@ -181,6 +181,8 @@ def test_bad_inputs_are_refused() -> None:
     spans = native.ExtendLayout([(0, 2, 1, torch.arange(3))])
     with pytest.raises(ValueError, match="multiple of 16"):
         kernels.extend(torch.zeros(2, 4, 8), torch.zeros(8, 2, 8), torch.zeros(8, 2, 8), spans)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernels.decode(torch.zeros(1, 4, 24), torch.zeros(8, 2, 24), torch.zeros(8, 2, 24), layout)
 
 
 def test_bfloat16_queries_come_back_bfloat16() -> None:

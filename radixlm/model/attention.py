@@ -2,20 +2,26 @@
 
 `AttentionPlan.build(batch, ...)` turns a ForwardBatch into the index tensors, masks and gather
 buffers that every layer reuses (built once per forward, never per layer). `attend(...)` then
-runs one layer:
+runs one layer. On CPU, with a float32 or bfloat16 pool, the native kernels (native.py, csrc/)
+do all of it, reading K/V where it lies in the pool:
+
+  extend  one call for every multi-token request: query i of e new tokens sees keys
+          0 .. prefix_len + i (flash attention in register tiles, csrc/extend_attention.c).
+  decode  one call for every one-token request on a prefix (a whole decode step, or the decodes
+          that ride along with a prefill chunk); requests on a shared run of slots read it once
+          (csrc/decode_attention.c).
+
+Elsewhere (no C compiler, RADIXLM_NATIVE=0, a GPU), PyTorch's SDPA over gathered K/V:
 
   extend  one SDPA call per multi-token request. Its queries are its new tokens; its keys are
           the K/V of all its seq_slots gathered from the pool (prefix + new). With a prefix,
-          query i of e new tokens sees keys 0 .. prefix_len + i (a causal mask shifted right
-          by the prefix); without one, plain `is_causal` on the fresh K/V, no gather.
-  decode  one SDPA call for every one-token request on a prefix: a whole decode step, or the
-          decodes that ride along with a prefill chunk in a mixed step. Slots are gathered into
-          a padded (B, L_max) layout; a length mask hides the padding. GQA needs no repeated
-          K/V: the query heads sharing a KV head are folded into the query-length axis,
+          a causal mask shifted right by the prefix; without one, plain `is_causal` on the
+          fresh K/V, no gather.
+  decode  one SDPA call for the one-token requests. Slots are gathered into a padded
+          (B, L_max) layout; a length mask hides the padding. GQA needs no repeated K/V: the
+          query heads sharing a KV head are folded into the query-length axis,
           (B, kv_heads, group, D). When several requests share a long run of prefix slots,
           the run is read once for all of them (shared_prefix.py).
-          On CPU with float32 K/V, the native kernel (native.py) replaces all of that: it reads
-          each request's slots in place, and a shared run once for all requests on it.
 
 Gathers (kv_gather.py) write into two buffers allocated here once per forward.
 The caller has already written the new tokens' K/V into `batch.out_slots` of this layer.
@@ -30,7 +36,7 @@ import torch.nn.functional as F
 
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.kv_gather import PaddedRuns, gather_rows, head_rows
-from radixlm.model.native import DecodeLayout, ExtendLayout, Kernels
+from radixlm.model.native import MAX_HEAD_DIM, DecodeLayout, ExtendLayout, Kernels
 from radixlm.model.shared_prefix import (
     SharedDecode,
     find_shared_prefixes,
@@ -92,9 +98,10 @@ class AttentionPlan:
     ) -> AttentionPlan:
         """`kernels`: the native kernels, for K/V in a CPU pool they read (or None)."""
         device = batch.input_ids.device
-        native_extend = kernels is not None and head_dim % 16 == 0
+        if head_dim % 16 != 0 or head_dim > MAX_HEAD_DIM:  # the kernels' vector rows
+            kernels = None
         spans: list[ExtendSpan] = []
-        native: list[tuple[int, int, int, torch.Tensor]] = []
+        for_kernel: list[tuple[int, int, int, torch.Tensor]] = []  # (start, e, prefix, slots)
         one_token: list[int] = []  # requests that go to the decode group
         start = 0
         for i, (slots, prefix_len, extend_len) in enumerate(
@@ -102,12 +109,12 @@ class AttentionPlan:
         ):
             if extend_len == 1 and prefix_len > 0:
                 one_token.append(i)
-            elif native_extend:
-                native.append((start, extend_len, prefix_len, slots))
+            elif kernels is not None:
+                for_kernel.append((start, extend_len, prefix_len, slots))
             else:
                 spans.append(_extend_span(slots, prefix_len, extend_len, start, num_kv_heads))
             start += extend_len
-        native_spans = ExtendLayout(native) if native else None
+        native_spans = ExtendLayout(for_kernel) if for_kernel else None
         decode = _decode_group(batch, one_token, num_kv_heads, kernels) if one_token else None
         num_rows = max(
             [0]

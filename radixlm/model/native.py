@@ -41,6 +41,7 @@ SOURCES = [
     Path(__file__).parent / "csrc" / name for name in ("decode_attention.c", "extend_attention.c")
 ]
 KV_DTYPES = (torch.float32, torch.bfloat16)  # pool dtypes the kernels read
+MAX_HEAD_DIM = 256  # head_dim: a multiple of 16 (whole vector registers), at most this
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
 
 
@@ -99,8 +100,6 @@ class Kernels:
         """q (T, H, D): the new tokens of the requests in `layout`, back to back; k/v_cache
         (num_slots, KV, D), already holding the new tokens' K/V -> (T, H, D). Rows of q that
         belong to no span of the layout come back uninitialised."""
-        if q.shape[2] % 16 != 0:
-            raise ValueError(f"the extend kernel needs head_dim a multiple of 16, not {q.shape[2]}")
         q32, out = _checked(q, k_cache, v_cache)
         status = self._extend(
             *_common(q32, k_cache, v_cache, out, layout.num_spans), *layout.pointers, _threads()
@@ -137,6 +136,8 @@ def _checked(
         raise ValueError("the native kernels need contiguous K/V pool layers")
     if q.device.type != "cpu" or k_cache.device.type != "cpu":
         raise ValueError("the native kernels run on CPU tensors")
+    if q.shape[2] % 16 != 0 or q.shape[2] > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be a multiple of 16 up to {MAX_HEAD_DIM}: {q.shape[2]}")
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"{num_heads} query heads do not divide into {num_kv_heads} KV heads")

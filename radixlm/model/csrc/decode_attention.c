@@ -27,7 +27,6 @@
 #include <string.h>
 
 #define CHUNK 32        /* keys per softmax update: the chunk's K/V rows stay in L1 */
-#define BLOCK 8         /* query rows updated together: their scores fit in registers and L1 */
 #define NO_SCORE -1e30f /* "minus infinity" that -ffast-math may not assume away */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -36,16 +35,6 @@ typedef struct {
     int64_t row_bytes;     /* one slot: KV * D elements */
     int64_t head_offset;   /* bytes from a slot's start to this task's head */
 } KeySource;
-
-/* Element d of a K/V row. bfloat16 is the top half of a float32, so widening is a shift. */
-ALWAYS_INLINE float kv_at(const char *row, int64_t d, const int bf16)
-{
-    if (!bf16) return ((const float *)row)[d];
-    const uint32_t bits = (uint32_t)((const uint16_t *)row)[d] << 16;
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
 
 /* Slots lie anywhere in the pool: ask for a chunk's rows early, so their cache misses overlap
    the arithmetic on the chunk before instead of stalling one by one. */
@@ -61,24 +50,48 @@ ALWAYS_INLINE void prefetch_rows(const KeySource *src, const int64_t *slots, int
     }
 }
 
-/* Online-softmax update of nb <= BLOCK query rows (q, pre-scaled) with one chunk of keys. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+#define MAX_VECTORS 16 /* head_dim up to 256 */
+
+/* Floats d .. d+16 of a K/V row as one vector (bfloat16 widened by a shift). */
+ALWAYS_INLINE v16 load_kv16(const char *row, int64_t d, const int bf16)
+{
+    if (bf16) {
+        u16x16 half;
+        memcpy(&half, row + 2 * d, sizeof half);
+        return (v16)(__builtin_convertvector(half, u32x16) << 16);
+    }
+    v16 x;
+    memcpy(&x, row + 4 * d, sizeof x);
+    return x;
+}
+
+ALWAYS_INLINE float sum16(v16 x)
+{
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += x[i];
+    return s;
+}
+
+/* Online-softmax update of nb query rows (q, pre-scaled) with one chunk of keys.
+   Row by row: the query row (scores) and the output row (P V) stay in vector registers while
+   the chunk's K and V rows, in L1 by now, stream past. */
 ALWAYS_INLINE void update_block(const char *const *k_rows, const char *const *v_rows,
                                 int64_t count, const float *q, int64_t nb, float *acc, float *m,
                                 float *l, const int64_t D, const int bf16)
 {
-    float scores[BLOCK * CHUNK];
-    for (int64_t j = 0; j < count; j++) { /* scores (nb, count) = q K^T */
-        const char *k = k_rows[j];
-        for (int64_t i = 0; i < nb; i++) {
-            const float *qi = q + i * D;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; d++) dot += qi[d] * kv_at(k, d, bf16);
-            scores[i * CHUNK + j] = dot;
+    const int64_t nv = D / 16;
+    for (int64_t i = 0; i < nb; i++) {
+        v16 qv[MAX_VECTORS], a[MAX_VECTORS];
+        float s[CHUNK];
+        for (int64_t c = 0; c < nv; c++) memcpy(&qv[c], q + i * D + 16 * c, sizeof(v16));
+        for (int64_t j = 0; j < count; j++) { /* s = q K^T */
+            v16 dot = qv[0] * load_kv16(k_rows[j], 0, bf16);
+            for (int64_t c = 1; c < nv; c++) dot += qv[c] * load_kv16(k_rows[j], 16 * c, bf16);
+            s[j] = sum16(dot);
         }
-    }
-    for (int64_t i = 0; i < nb; i++) { /* weights; rescale what the earlier chunks gave */
-        float *s = scores + i * CHUNK;
         float top = m[i];
         for (int64_t j = 0; j < count; j++) top = s[j] > top ? s[j] : top;
         float sum = 0.0f;
@@ -90,23 +103,18 @@ ALWAYS_INLINE void update_block(const char *const *k_rows, const char *const *v_
         const float alpha = expf(m[i] - top); /* 0 on the first chunk */
         l[i] = l[i] * alpha + sum;
         m[i] = top;
-        float *a = acc + i * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; d++) a[d] *= alpha;
-    }
-    for (int64_t j = 0; j < count; j++) { /* acc += P V */
-        const char *v = v_rows[j];
-        for (int64_t i = 0; i < nb; i++) {
-            const float p = scores[i * CHUNK + j];
-            float *a = acc + i * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; d++) a[d] += p * kv_at(v, d, bf16);
+        for (int64_t c = 0; c < nv; c++) { /* rescale what the earlier chunks gave */
+            memcpy(&a[c], acc + i * D + 16 * c, sizeof(v16));
+            a[c] *= alpha;
         }
+        for (int64_t j = 0; j < count; j++) /* acc += p V */
+            for (int64_t c = 0; c < nv; c++) a[c] += s[j] * load_kv16(v_rows[j], 16 * c, bf16);
+        for (int64_t c = 0; c < nv; c++) memcpy(acc + i * D + 16 * c, &a[c], sizeof(v16));
     }
 }
 
 /* n query rows (contiguous, pre-scaled) attend to the keys slots[0 .. len): each K/V row is
-   loaded once per chunk and used by all n rows, in blocks of BLOCK. */
+   loaded once per chunk and used by all n rows while it sits in L1. */
 ALWAYS_INLINE void attend_keys(const KeySource *src, const float *q, int64_t n,
                                const int64_t *slots, int64_t len, float *acc, float *m, float *l,
                                const int64_t D, const int bf16)
@@ -121,11 +129,7 @@ ALWAYS_INLINE void attend_keys(const KeySource *src, const float *q, int64_t n,
             k_rows[j] = src->k + at;
             v_rows[j] = src->v + at;
         }
-        for (int64_t i = 0; i < n; i += BLOCK) {
-            const int64_t nb = n - i < BLOCK ? n - i : BLOCK;
-            update_block(k_rows, v_rows, count, q + i * D, nb, acc + i * D, m + i, l + i, D,
-                         bf16);
-        }
+        update_block(k_rows, v_rows, count, q, n, acc, m, l, D, bf16);
     }
 }
 
@@ -188,6 +192,7 @@ int decode_attention(const float *q, const void *k, const void *v, float *out, i
                      int num_threads)
 {
     if (num_heads % num_kv_heads != 0) return 1;
+    if (head_dim % 16 != 0 || head_dim > 16 * MAX_VECTORS) return 2; /* whole vectors */
     const Batch batch = {q,     out,    num_heads, num_heads / num_kv_heads, scale, units, shared,
                          own,   member_row, slots};
     const int64_t elem = kv_bf16 ? 2 : 4;
