@@ -11,6 +11,7 @@ transformers through the whole decoder.
 
 from __future__ import annotations
 
+import logging
 import shutil
 
 import pytest
@@ -194,6 +195,20 @@ def test_bfloat16_queries_come_back_bfloat16() -> None:
     assert got.dtype == torch.bfloat16
     want = reference(q.float(), k, k, [torch.arange(5)])
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_a_failed_build_falls_back_to_pytorch(monkeypatch, tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A compiler that fails: no kernels, a warning that says why, and no exception."""
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path))
+    native.kernels.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="radixlm.model.native"):
+            assert native.kernels() is None
+        assert "failed to build" in caplog.text and "false" in caplog.text
+    finally:
+        monkeypatch.undo()
+        native.kernels.cache_clear()
 
 
 def test_disabled_by_environment(monkeypatch) -> None:  # type: ignore[no-untyped-def]

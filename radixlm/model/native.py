@@ -61,7 +61,7 @@ def kernels() -> Kernels | None:
         return None
     try:
         path = _build(compiler)
-    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+    except (OSError, subprocess.TimeoutExpired) as exc:
         log.warning("native kernels failed to build (%s): PyTorch attention used", exc)
         return None
     return Kernels(ctypes.CDLL(str(path)))
@@ -159,20 +159,34 @@ def _threads() -> int:
 
 
 def _build(compiler: str) -> Path:
+    """The library for these sources, flags and CPU: from the cache, or compiled into it (the
+    user's cache directory, else a per-user one under the temp directory)."""
     key = hashlib.sha256()
     for source in SOURCES:
         key.update(source.read_bytes())
     for part in (compiler, " ".join(FLAGS), platform.machine(), _cpu_flags()):
         key.update(part.encode())
-    cache = Path(os.environ.get("RADIXLM_CACHE_DIR") or Path.home() / ".cache" / "radixlm")
-    path = cache / f"radixlm_kernels-{key.hexdigest()[:16]}.so"
-    if path.exists():
-        return path
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+    name = f"radixlm_kernels-{key.hexdigest()[:16]}.so"
+    home = Path(os.environ.get("RADIXLM_CACHE_DIR") or Path.home() / ".cache" / "radixlm")
+    fallback = Path(tempfile.gettempdir()) / f"radixlm-{os.getuid()}"
+    for cache in (home, fallback):
+        if (cache / name).exists():
+            return cache / name
+    try:
+        return _compile(compiler, home / name)
+    except PermissionError:
+        return _compile(compiler, fallback / name)
+
+
+def _compile(compiler: str, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log.info("compiling native kernels into %s", path)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         built = Path(tmp) / path.name
         cmd = [compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"]
-        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise OSError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
         built.replace(path)  # atomic: a concurrent build of the same key writes the same bytes
     return path
 
