@@ -36,17 +36,22 @@ typedef struct {
     int64_t head_offset;   /* bytes from a slot's start to this task's head */
 } KeySource;
 
-/* Slots lie anywhere in the pool: ask for a chunk's rows early, so their cache misses overlap
-   the arithmetic on the chunk before instead of stalling one by one. */
-ALWAYS_INLINE void prefetch_rows(const KeySource *src, const int64_t *slots, int64_t from,
-                                 int64_t len, int64_t head_bytes)
+/* The K and V row addresses of keys slots[from .. from + count), for this task's head. */
+ALWAYS_INLINE void row_addresses(const KeySource *src, const int64_t *slots, int64_t from,
+                                 int64_t count, const char **k_rows, const char **v_rows)
 {
-    for (int64_t j = from; j < from + CHUNK && j < len; j++) {
-        const int64_t at = slots[j] * src->row_bytes + src->head_offset;
-        for (int64_t b = 0; b < head_bytes; b += 64) { /* one cache line at a time */
-            __builtin_prefetch(src->k + at + b);
-            __builtin_prefetch(src->v + at + b);
-        }
+    for (int64_t j = 0; j < count; j++) {
+        const int64_t at = slots[from + j] * src->row_bytes + src->head_offset;
+        k_rows[j] = src->k + at;
+        v_rows[j] = src->v + at;
+    }
+}
+
+ALWAYS_INLINE void prefetch_row(const char *k_row, const char *v_row, int64_t row_bytes)
+{
+    for (int64_t b = 0; b < row_bytes; b += 64) { /* one cache line at a time */
+        __builtin_prefetch(k_row + b);
+        __builtin_prefetch(v_row + b);
     }
 }
 
@@ -75,12 +80,15 @@ ALWAYS_INLINE float sum16(v16 x)
     return s;
 }
 
-/* Online-softmax update of nb query rows (q, pre-scaled) with one chunk of keys.
+/* Online-softmax update of nb query rows (q, pre-scaled) with one chunk of keys; prefetches
+   the next chunk's rows (next_k, next_v) as it goes.
    Row by row: the query row (scores) and the output row (P V) stay in vector registers while
    the chunk's K and V rows, in L1 by now, stream past. */
 ALWAYS_INLINE void update_block(const char *const *k_rows, const char *const *v_rows,
                                 int64_t count, const float *q, int64_t nb, float *acc, float *m,
-                                float *l, const int64_t D, const int bf16)
+                                float *l, const int64_t D, const int bf16,
+                                const char *const *next_k, const char *const *next_v,
+                                int64_t next_count)
 {
     const int64_t nv = D / 16;
     for (int64_t i = 0; i < nb; i++) {
@@ -88,6 +96,8 @@ ALWAYS_INLINE void update_block(const char *const *k_rows, const char *const *v_
         float s[CHUNK];
         for (int64_t c = 0; c < nv; c++) memcpy(&qv[c], q + i * D + 16 * c, sizeof(v16));
         for (int64_t j = 0; j < count; j++) { /* s = q K^T */
+            if (i == 0 && j < next_count) /* the next chunk's rows, one key at a time */
+                prefetch_row(next_k[j], next_v[j], D * (bf16 ? 2 : 4));
             v16 dot = qv[0] * load_kv16(k_rows[j], 0, bf16);
             for (int64_t c = 1; c < nv; c++) dot += qv[c] * load_kv16(k_rows[j], 16 * c, bf16);
             s[j] = sum16(dot);
@@ -114,22 +124,28 @@ ALWAYS_INLINE void update_block(const char *const *k_rows, const char *const *v_
 }
 
 /* n query rows (contiguous, pre-scaled) attend to the keys slots[0 .. len): each K/V row is
-   loaded once per chunk and used by all n rows while it sits in L1. */
+   loaded once per chunk and used by all n rows while it sits in L1.
+
+   Slots lie anywhere in the pool, so each row is a likely cache miss. The first chunk's rows are
+   requested up front, and every next chunk's rows one key at a time while the current chunk's
+   scores are computed: the misses overlap the arithmetic instead of stalling it one by one
+   (a burst of prefetches for a whole chunk was ~10% slower: it overflows the miss buffers). */
 ALWAYS_INLINE void attend_keys(const KeySource *src, const float *q, int64_t n,
                                const int64_t *slots, int64_t len, float *acc, float *m, float *l,
                                const int64_t D, const int bf16)
 {
-    const int64_t head_bytes = D * (bf16 ? 2 : 4);
-    const char *k_rows[CHUNK], *v_rows[CHUNK];
-    for (int64_t start = 0; start < len; start += CHUNK) {
-        const int64_t count = len - start < CHUNK ? len - start : CHUNK;
-        prefetch_rows(src, slots, start + CHUNK, len, head_bytes);
-        for (int64_t j = 0; j < count; j++) {
-            const int64_t at = slots[start + j] * src->row_bytes + src->head_offset;
-            k_rows[j] = src->k + at;
-            v_rows[j] = src->v + at;
-        }
-        update_block(k_rows, v_rows, count, q, n, acc, m, l, D, bf16);
+    const char *k_rows[2][CHUNK], *v_rows[2][CHUNK]; /* this chunk's and the next one's */
+    int64_t cur = 0, count = len < CHUNK ? len : CHUNK;
+    row_addresses(src, slots, 0, count, k_rows[0], v_rows[0]);
+    for (int64_t j = 0; j < count; j++)
+        prefetch_row(k_rows[0][j], v_rows[0][j], D * (bf16 ? 2 : 4));
+    for (int64_t start = 0; start < len; start += CHUNK, cur ^= 1) {
+        const int64_t next = start + CHUNK;
+        const int64_t next_count = next >= len ? 0 : (len - next < CHUNK ? len - next : CHUNK);
+        row_addresses(src, slots, next, next_count, k_rows[cur ^ 1], v_rows[cur ^ 1]);
+        update_block(k_rows[cur], v_rows[cur], count, q, n, acc, m, l, D, bf16, k_rows[cur ^ 1],
+                     v_rows[cur ^ 1], next_count);
+        count = next_count;
     }
 }
 
