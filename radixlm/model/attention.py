@@ -58,13 +58,12 @@ class ExtendSpan:
 
 @dataclass(frozen=True)
 class DecodeGroup:
-    """Requests with one new token on top of a prefix, attended together: by the native kernel,
-    or else one padded SDPA call, or the shared-prefix split when several of them share a long
-    run of slots."""
+    """Requests with one new token on top of a prefix, attended together: by the native kernel
+    (`layout`), or else one padded SDPA call (`plain`), or the shared-prefix split when several
+    of them share a long run of slots (`shared`)."""
 
     token_rows: torch.Tensor | None  # (B,) their rows among the T new tokens; None = all, in order
-    kernels: Kernels | None  # the native kernels and the group's layout for them, or
-    layout: DecodeLayout | None
+    layout: DecodeLayout | None  # the group as the native decode kernel takes it
     plain: PaddedRuns | None  # every member's whole slot list, for PyTorch attention
     shared: SharedDecode | None  # the split, when it reads clearly fewer K/V rows
 
@@ -80,10 +79,10 @@ class AttentionPlan:
     extend step has a span per multi-token request, and its one-token requests (decodes riding
     along with a prefill chunk) form a DecodeGroup of their own."""
 
+    kernels: Kernels | None  # the native kernels, when this forward uses them
     spans: list[ExtendSpan]  # multi-token requests for PyTorch attention
     native_spans: ExtendLayout | None  # or all of them, for the native extend kernel
     decode: DecodeGroup | None
-    kernels: Kernels | None
     k_buffer: torch.Tensor  # (rows, D) gather destination, reused by every layer
     v_buffer: torch.Tensor
 
@@ -115,7 +114,8 @@ class AttentionPlan:
                 spans.append(_extend_span(slots, prefix_len, extend_len, start, num_kv_heads))
             start += extend_len
         native_spans = ExtendLayout(for_kernel) if for_kernel else None
-        decode = _decode_group(batch, one_token, num_kv_heads, kernels) if one_token else None
+        native_decode = kernels is not None
+        decode = _decode_group(batch, one_token, num_kv_heads, native_decode) if one_token else None
         num_rows = max(
             [0]
             + [s.gather_rows.numel() for s in spans if s.gather_rows is not None]
@@ -123,7 +123,7 @@ class AttentionPlan:
         )
         k_buffer = torch.empty(num_rows, head_dim, dtype=kv_dtype, device=device)
         v_buffer = torch.empty_like(k_buffer)
-        return cls(spans, native_spans, decode, kernels, k_buffer, v_buffer)
+        return cls(kernels, spans, native_spans, decode, k_buffer, v_buffer)
 
 
 def _extend_span(
@@ -139,7 +139,7 @@ def _extend_span(
 
 
 def _decode_group(
-    batch: ForwardBatch, members: list[int], num_kv_heads: int, kernels: Kernels | None
+    batch: ForwardBatch, members: list[int], num_kv_heads: int, native: bool
 ) -> DecodeGroup:
     device = batch.input_ids.device
     slot_lists = [batch.seq_slots[i] for i in members]
@@ -147,12 +147,11 @@ def _decode_group(
     if len(members) != batch.batch_size:  # a mixed batch: pick the members' rows out of T
         ends = torch.tensor(batch.extend_lens, device=device).cumsum(0)
         token_rows = ends[members] - 1
-    if kernels is not None:
+    if native:
         layout = DecodeLayout(slot_lists, find_shared_prefixes(slot_lists))
-        return DecodeGroup(token_rows, kernels, layout, None, None)
+        return DecodeGroup(token_rows, layout, None, None)
     shared = plan_shared_decode(slot_lists, num_kv_heads) if device.type == "cpu" else None
-    plain = PaddedRuns.of(slot_lists, num_kv_heads)
-    return DecodeGroup(token_rows, None, None, plain, shared)
+    return DecodeGroup(token_rows, None, PaddedRuns.of(slot_lists, num_kv_heads), shared)
 
 
 def attend(
@@ -170,10 +169,12 @@ def attend(
     group = plan.decode
     if group is not None and group.token_rows is None:  # a pure decode step
         return _decode(q, k_cache, v_cache, plan, group)
-    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    num_tokens = q.shape[0]
     if plan.native_spans is not None and plan.kernels is not None:
         # every multi-token request at once; the decode rows are filled in below
-        out = plan.kernels.extend(q, k_cache, v_cache, plan.native_spans).view(out.shape)
+        out = plan.kernels.extend(q, k_cache, v_cache, plan.native_spans).view(num_tokens, -1)
+    else:
+        out = q.new_empty(num_tokens, q.shape[1] * q.shape[2])
     for span in plan.spans:
         out[span.start : span.end] = _extend_one(q, k, v, k_cache, v_cache, plan, span)
     if group is not None:
@@ -214,8 +215,8 @@ def _decode(
 ) -> torch.Tensor:
     """q (B, heads, D): one query per request of the group -> (B, heads * D)."""
     batch_size, num_heads, head_dim = q.shape
-    if group.kernels is not None and group.layout is not None:
-        o = group.kernels.decode(q, k_cache, v_cache, group.layout)  # (B, heads, D)
+    if plan.kernels is not None and group.layout is not None:
+        o = plan.kernels.decode(q, k_cache, v_cache, group.layout)  # (B, heads, D)
         return o.view(batch_size, num_heads * head_dim)
     num_kv_heads = k_cache.shape[1]
     qs = q.reshape(batch_size, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B,kv,G,D)
