@@ -88,7 +88,9 @@ class Kernels:
         (num_slots, KV, D) -> (B, H, D)."""
         q32, out = _checked(q, k_cache, v_cache)
         status = self._decode(
-            *_common(q32, k_cache, v_cache, out, layout.num_units), *layout.pointers, _threads()
+            *_common(q32, k_cache, v_cache, out, layout.num_units),
+            *layout.pointers,
+            torch.get_num_threads(),
         )
         if status != 0:
             raise RuntimeError(f"decode_attention failed ({status})")
@@ -102,7 +104,9 @@ class Kernels:
         belong to no span of the layout come back uninitialised."""
         q32, out = _checked(q, k_cache, v_cache)
         status = self._extend(
-            *_common(q32, k_cache, v_cache, out, layout.num_spans), *layout.pointers, _threads()
+            *_common(q32, k_cache, v_cache, out, layout.num_spans),
+            *layout.pointers,
+            torch.get_num_threads(),
         )
         if status != 0:
             raise RuntimeError(f"extend_attention failed ({status})")
@@ -152,10 +156,6 @@ def _common(
     bf16 = int(k.dtype == torch.bfloat16)
     pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
     return (*pointers, q.shape[1], k.shape[1], head_dim, bf16, head_dim**-0.5, count)
-
-
-def _threads() -> int:
-    return torch.get_num_threads()
 
 
 def _build(compiler: str) -> Path:
