@@ -78,5 +78,6 @@ def test_loading_reports_progress_per_stage(model: Path) -> None:
         CacheConfig(num_slots=256),
         progress=lambda stage, done, total: seen.__setitem__(stage, (done, total)),
     )
-    assert list(seen) == ["weights", "packing", "tokenizer", "KV pool"]
+    # on CPU the native kernels are built (or found in the cache) at load, not at first request
+    assert list(seen) == ["weights", "packing", "tokenizer", "KV pool", "native kernels"]
     assert all(done == total > 0 for done, total in seen.values()), seen

@@ -12,6 +12,7 @@ import torch
 
 from radixlm.cache.kv_pool import KVPool
 from radixlm.config import CacheConfig, ModelConfig
+from radixlm.model import native
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.loader import LoadProgress, load_model
 from radixlm.tokenizer import Tokenizer
@@ -49,6 +50,13 @@ class ModelRunner:
         )
         if progress is not None:
             progress("KV pool", 1, 1)
+        if self.device.type == "cpu" and self.model.native_kernels:
+            # built (or found in the cache) now, so the first request does not wait the ~2 s
+            if progress is not None:
+                progress("native kernels", 0, 1)
+            native.kernels()
+            if progress is not None:
+                progress("native kernels", 1, 1)
 
     @property
     def max_context_len(self) -> int:
