@@ -12,6 +12,7 @@ transformers through the whole decoder.
 from __future__ import annotations
 
 import logging
+import platform
 import shutil
 
 import pytest
@@ -34,6 +35,20 @@ def require_native_kernels() -> native.Kernels:
             pytest.skip("no C compiler: the native kernel cannot be built here")
         pytest.fail("a C compiler is present but the native kernels did not build")
     return kernels
+
+
+@pytest.fixture(scope="module", params=["native", "haswell"], ids=["march-native", "march-avx2"])
+def built(request) -> native.Kernels:  # type: ignore[no-untyped-def]
+    """The kernels as this machine runs them, and built for AVX2 without AVX-512 (`haswell`),
+    the narrower vector code an older x86 CPU gets."""
+    kernels = require_native_kernels()
+    if request.param == "native":
+        return kernels
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the AVX2 build is for x86 CPUs")
+    avx2 = native.build_kernels("haswell")
+    assert avx2 is not None, "the AVX2 build failed where the native one works"
+    return avx2
 
 
 def reference(
@@ -80,10 +95,12 @@ def decode_batches(draw):  # type: ignore[no-untyped-def]
     threads=st.sampled_from([1, 2]),
     kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
 )
-def test_kernel_matches_softmax_attention(batch, threads: int, kv_dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+def test_kernel_matches_softmax_attention(
+    built, batch, threads: int, kv_dtype: torch.dtype
+) -> None:  # type: ignore[no-untyped-def]
     """float32 arithmetic over float32 or bfloat16 storage: the reference reads the same stored
     values, so both dtypes meet the float32 tolerance."""
-    kernels = require_native_kernels()
+    kernels = built
     num_heads, num_kv_heads, head_dim, slot_lists = batch
     gen = torch.Generator().manual_seed(len(slot_lists))
     k = torch.randn(NUM_SLOTS, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
@@ -130,8 +147,8 @@ def extend_batches(draw):  # type: ignore[no-untyped-def]
     kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_extend_kernel_matches_causal_attention(batch, threads, kv_dtype, seed) -> None:  # type: ignore[no-untyped-def]
-    kernels = require_native_kernels()
+def test_extend_kernel_matches_causal_attention(built, batch, threads, kv_dtype, seed) -> None:  # type: ignore[no-untyped-def]
+    kernels = built
     num_heads, num_kv_heads, head_dim, lengths = batch
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(NUM_SLOTS, generator=gen)

@@ -42,7 +42,7 @@ SOURCES = [
 ]
 KV_DTYPES = (torch.float32, torch.bfloat16)  # pool dtypes the kernels read
 MAX_HEAD_DIM = 256  # head_dim: a multiple of 16 (whole vector registers), at most this
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]  # and -march
 
 
 def enabled() -> bool:
@@ -52,15 +52,19 @@ def enabled() -> bool:
 
 @functools.cache
 def kernels() -> Kernels | None:
-    """The kernels, built on first use; None where they cannot be built."""
-    if not enabled():
-        return None
+    """The kernels for this CPU, built on first use; None where they cannot be built."""
+    return build_kernels("native") if enabled() else None
+
+
+def build_kernels(march: str) -> Kernels | None:
+    """The kernels compiled with `-march={march}` ("native": this CPU; tests also build
+    "haswell", AVX2 without AVX-512, to check the narrower vector code); None on failure."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler found: native kernels off, PyTorch attention used")
         return None
     try:
-        path = _build(compiler)
+        path = _build(compiler, [*FLAGS, f"-march={march}"])
     except (OSError, subprocess.TimeoutExpired) as exc:
         log.warning("native kernels failed to build (%s): PyTorch attention used", exc)
         return None
@@ -158,13 +162,13 @@ def _common(
     return (*pointers, q.shape[1], k.shape[1], head_dim, bf16, head_dim**-0.5, count)
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, flags: list[str]) -> Path:
     """The library for these sources, flags and CPU: from the cache, or compiled into it (the
     user's cache directory, else a per-user one under the temp directory)."""
     key = hashlib.sha256()
     for source in SOURCES:
         key.update(source.read_bytes())
-    for part in (compiler, " ".join(FLAGS), platform.machine(), _cpu_flags()):
+    for part in (compiler, " ".join(flags), platform.machine(), _cpu_flags()):
         key.update(part.encode())
     name = f"radixlm_kernels-{key.hexdigest()[:16]}.so"
     home = Path(os.environ.get("RADIXLM_CACHE_DIR") or Path.home() / ".cache" / "radixlm")
@@ -173,17 +177,17 @@ def _build(compiler: str) -> Path:
         if (cache / name).exists():
             return cache / name
     try:
-        return _compile(compiler, home / name)
+        return _compile(compiler, flags, home / name)
     except PermissionError:
-        return _compile(compiler, fallback / name)
+        return _compile(compiler, flags, fallback / name)
 
 
-def _compile(compiler: str, path: Path) -> Path:
+def _compile(compiler: str, flags: list[str], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     log.info("compiling native kernels into %s", path)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         built = Path(tmp) / path.name
-        cmd = [compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"]
+        cmd = [compiler, *flags, *map(str, SOURCES), "-o", str(built), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise OSError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
