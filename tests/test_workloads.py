@@ -4,9 +4,12 @@ ideal prefill count against hand-computed values and a brute-force ideal cache."
 from __future__ import annotations
 
 import itertools
+import json
 from collections import deque
+from pathlib import Path
 
 import pytest
+from conftest import save_tiny_model
 
 from radixlm.bench.workloads import (
     WORKLOADS,
@@ -23,6 +26,7 @@ from radixlm.bench.workloads import (
     resolve_prompt,
     tot,
 )
+from radixlm.cli import main
 
 IDS = range(1000, 2000)
 
@@ -179,3 +183,23 @@ def test_workload_rejects_forward_parents_and_empty_outputs() -> None:
         Workload("bad", (WorkloadRequest(None, (1,), 0),))
     with pytest.raises(ValueError, match="token_range"):
         random(token_range=range(5, 6))
+
+
+def test_bench_offline_end_to_end(tmp_path: Path) -> None:
+    """`radixlm bench offline` on a tiny model: both modes finish every request, the radix cache
+    computes exactly the ideal prefill, and step time splits into prefill and decode steps."""
+    save_tiny_model("llama-gqa-llama3rope", tmp_path / "model", vocab_size=32_000)
+    out = tmp_path / "offline.json"
+    args = ["bench", "offline", "--model", str(tmp_path / "model"), "--threads", "1"]
+    args += ["--workload", "gsp", "--gsp-num-groups", "2", "--gsp-prompts-per-group", "3"]
+    args += ["--gsp-system-prompt-len", "48", "--gsp-question-len", "8", "--gsp-output-len", "4"]
+    assert main([*args, "--json", str(out)]) == 0
+    modes = json.loads(out.read_text())["modes"]
+    radix, none = modes["radix"], modes["none"]
+    assert radix["requests"] == none["requests"] == 6
+    assert radix["prefill_tokens"] == radix["ideal_prefill_tokens"] == 2 * 48 + 6 * 8
+    assert none["prefill_tokens"] == 6 * (48 + 8)
+    for mode in (radix, none):
+        steps = mode["prefill_steps_s"] + mode["decode_steps_s"]
+        assert 0 < steps <= mode["duration_s"]
+        assert mode["prefill_steps_s"] > 0 and mode["decode_steps_s"] > 0

@@ -92,13 +92,18 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         live[rid] = (index, engine.requests(rid)[0])
 
     done: list[Request] = []
+    step_s = {"prefill": 0.0, "decode": 0.0}  # time in steps that prefilled / only decoded
     start = time.perf_counter()
     with Progress(transient=True) as bar:
         task = bar.add_task(f"{workload.name} / {mode}", total=len(workload.requests))
         for index in progress.roots:
             submit(index)
         while engine.has_unfinished():
-            for delta in engine.step():
+            prefilled, step_start = engine.stats.prefill_tokens, time.perf_counter()
+            deltas = engine.step()
+            kind = "prefill" if engine.stats.prefill_tokens > prefilled else "decode"
+            step_s[kind] += time.perf_counter() - step_start
+            for delta in deltas:
                 if delta.finish_reason is None:
                     continue
                 index, req = live.pop(delta.request_id)
@@ -108,7 +113,9 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
                     submit(child)
     elapsed = time.perf_counter() - start
     engine.cache.check_integrity()
-    return _summary(engine, base, done, elapsed, ideal_prefill_tokens(progress.completed()))
+    summary = _summary(engine, base, done, elapsed, ideal_prefill_tokens(progress.completed()))
+    summary["prefill_steps_s"], summary["decode_steps_s"] = step_s["prefill"], step_s["decode"]
+    return summary
 
 
 def _warm_up(engine: Any) -> None:
