@@ -196,13 +196,11 @@ def _compile(compiler: str, flags: list[str], path: Path) -> Path:
 
 
 def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+    """The CPU's feature flags (Linux), else its name: part of the build's cache key."""
+    cpuinfo = Path("/proc/cpuinfo")
+    text = cpuinfo.read_text() if cpuinfo.exists() else ""
+    flags = [line for line in text.splitlines() if line.startswith("flags")]
+    return flags[0] if flags else platform.processor()
 
 
 class DecodeLayout:
