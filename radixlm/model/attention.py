@@ -156,8 +156,8 @@ def _decode_group(
 
 def attend(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     plan: AttentionPlan,
@@ -165,6 +165,7 @@ def attend(
     """Attention output (T, heads * head_dim) for q (T, heads, D) and the fresh k, v (T, kv, D).
 
     k_cache / v_cache: this layer's pool views (num_slots, kv_heads, D), already holding k, v.
+    k, v may be None when the plan uses the native kernels (they read the pool only).
     """
     group = plan.decode
     if group is not None and group.token_rows is None:  # a pure decode step
@@ -176,6 +177,7 @@ def attend(
     else:
         out = q.new_empty(num_tokens, q.shape[1] * q.shape[2])
     for span in plan.spans:
+        assert k is not None and v is not None  # PyTorch extend attention reads the fresh k, v
         out[span.start : span.end] = _extend_one(q, k, v, k_cache, v_cache, plan, span)
     if group is not None:
         out[group.token_rows] = _decode(q[group.token_rows], k_cache, v_cache, plan, group)

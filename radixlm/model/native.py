@@ -38,7 +38,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [
-    Path(__file__).parent / "csrc" / name for name in ("decode_attention.c", "extend_attention.c")
+    Path(__file__).parent / "csrc" / name
+    for name in ("decode_attention.c", "extend_attention.c", "rope_store.c")
 ]
 KV_DTYPES = (torch.float32, torch.bfloat16)  # pool dtypes the kernels read
 MAX_HEAD_DIM = 256  # head_dim: a multiple of 16 (whole vector registers), at most this
@@ -83,7 +84,9 @@ class Kernels:
         self._decode.argtypes = [*common, p, p, p, p, p, i32]
         self._extend = lib.extend_attention
         self._extend.argtypes = [*common, p, p, i32]
-        self._decode.restype = self._extend.restype = ctypes.c_int
+        self._rope_store = lib.rope_store
+        self._rope_store.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, p, p, i32, p, i32]
+        self._decode.restype = self._extend.restype = self._rope_store.restype = ctypes.c_int
 
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: DecodeLayout
@@ -115,6 +118,40 @@ class Kernels:
         if status != 0:
             raise RuntimeError(f"extend_attention failed ({status})")
         return out.to(q.dtype)
+
+    def rope_store(
+        self,
+        qkv: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        out_slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        num_heads: int,
+    ) -> torch.Tensor:
+        """Rotate the new tokens' q and k and write k, v into the pool at `out_slots`.
+
+        qkv (T, (H + 2 KV) * D) float32, the stacked projection; rope: (cos, sign-folded sin),
+        each (T, 1, D) float32 (rope.rope_cos_sin). Returns q (T, H, D), rotated."""
+        cos, sin = rope
+        num_tokens, (num_kv_heads, head_dim) = qkv.shape[0], k_cache.shape[1:]
+        if qkv.dtype != torch.float32 or cos.dtype != torch.float32 or qkv.stride(1) != 1:
+            raise ValueError("rope_store takes float32 rows of the qkv projection")
+        if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
+            raise ValueError(f"qkv rows of {qkv.shape[1]} do not hold {num_heads} query heads")
+        if k_cache.dtype not in KV_DTYPES or not k_cache.is_contiguous():
+            raise ValueError("the native kernels read contiguous float32 or bfloat16 K/V")
+        q = qkv.new_empty(num_tokens, num_heads, head_dim)
+        slots = out_slots.to(torch.int64).contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        bf16 = int(k_cache.dtype == torch.bfloat16)
+        status = self._rope_store(
+            qkv.data_ptr(), num_tokens, qkv.stride(0), num_heads, num_kv_heads, head_dim,
+            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(), bf16, q.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"rope_store failed ({status})")
+        return q
 
 
 class ExtendLayout:

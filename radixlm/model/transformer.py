@@ -100,14 +100,19 @@ class Attention(nn.Module):
         plan: AttentionPlan,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
+        k_cache, v_cache = kv
+        if plan.kernels is not None and self.q_norm is None and qkv.dtype == torch.float32:
+            # rope on q and k, and the K/V write into the pool, in one native call
+            q = plan.kernels.rope_store(qkv, rope, out_slots, k_cache, v_cache, self.num_heads)
+            return self.o_proj(attend(q, None, None, k_cache, v_cache, plan))
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, heads, D)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, kv_heads, D)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, kv_heads, D)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        k_cache, v_cache = kv
         k_cache.index_copy_(0, out_slots, k.to(k_cache.dtype))
         v_cache.index_copy_(0, out_slots, v.to(v_cache.dtype))
         return self.o_proj(attend(q, k, v, k_cache, v_cache, plan))
