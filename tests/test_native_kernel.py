@@ -176,10 +176,10 @@ def test_extend_kernel_matches_causal_attention(built, batch, threads, kv_dtype,
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 7, 100])
-def test_rope_store_matches_pytorch(kv_dtype: torch.dtype, num_tokens: int) -> None:
+def test_rope_store_matches_pytorch(built, kv_dtype: torch.dtype, num_tokens: int) -> None:  # type: ignore[no-untyped-def]
     """One call = split + rope on q and k + the K/V write into the pool; bfloat16 rounds like
-    PyTorch's cast (to nearest even), so the pool holds the very same bits."""
-    kernels = require_native_kernels()
+    PyTorch's cast (to nearest even)."""
+    kernels = built
     num_heads, num_kv_heads, head_dim = 6, 2, 32
     gen = torch.Generator().manual_seed(num_tokens)
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
