@@ -93,15 +93,7 @@ class Kernels:
     ) -> torch.Tensor:
         """q (B, H, D), one query per request (the members of `layout`, in order); k/v_cache
         (num_slots, KV, D) -> (B, H, D)."""
-        q32, out = _checked(q, k_cache, v_cache)
-        status = self._decode(
-            *_common(q32, k_cache, v_cache, out, layout.num_units),
-            *layout.pointers,
-            torch.get_num_threads(),
-        )
-        if status != 0:
-            raise RuntimeError(f"decode_attention failed ({status})")
-        return out.to(q.dtype)
+        return _attend(self._decode, q, k_cache, v_cache, layout.num_units, layout.pointers)
 
     def extend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: ExtendLayout
@@ -109,15 +101,7 @@ class Kernels:
         """q (T, H, D): the new tokens of the requests in `layout`, back to back; k/v_cache
         (num_slots, KV, D), already holding the new tokens' K/V -> (T, H, D). Rows of q that
         belong to no span of the layout come back uninitialised."""
-        q32, out = _checked(q, k_cache, v_cache)
-        status = self._extend(
-            *_common(q32, k_cache, v_cache, out, layout.num_spans),
-            *layout.pointers,
-            torch.get_num_threads(),
-        )
-        if status != 0:
-            raise RuntimeError(f"extend_attention failed ({status})")
-        return out.to(q.dtype)
+        return _attend(self._extend, q, k_cache, v_cache, layout.num_spans, layout.pointers)
 
     def rope_store(
         self,
@@ -171,32 +155,35 @@ class ExtendLayout:
         self.pointers = (self.spans.data_ptr(), self.slots.data_ptr())  # alive with the tensors
 
 
-def _checked(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate the shared arguments; q as contiguous float32 and an output like it."""
+def _attend(
+    fn: Any,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    count: int,
+    pointers: tuple[int, ...],
+) -> torch.Tensor:
+    """Call an attention kernel (decode or extend: same leading arguments) -> out in q's dtype."""
     if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"the native kernels read float32 or bfloat16 K/V: {k_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the native kernels need contiguous K/V pool layers")
     if q.device.type != "cpu" or k_cache.device.type != "cpu":
         raise ValueError("the native kernels run on CPU tensors")
-    if q.shape[2] % 16 != 0 or q.shape[2] > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be a multiple of 16 up to {MAX_HEAD_DIM}: {q.shape[2]}")
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
+    num_heads, num_kv_heads, head_dim = q.shape[1], k_cache.shape[1], q.shape[2]
+    if head_dim % 16 != 0 or head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be a multiple of 16 up to {MAX_HEAD_DIM}: {head_dim}")
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"{num_heads} query heads do not divide into {num_kv_heads} KV heads")
     q32 = q.to(torch.float32).contiguous()
-    return q32, torch.empty_like(q32)
-
-
-def _common(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, count: int
-) -> tuple[int | float, ...]:
-    head_dim = q.shape[2]
-    bf16 = int(k.dtype == torch.bfloat16)
-    pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
-    return (*pointers, q.shape[1], k.shape[1], head_dim, bf16, head_dim**-0.5, count)
+    out = torch.empty_like(q32)
+    bf16 = int(k_cache.dtype == torch.bfloat16)
+    tensors = (q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr())
+    shape = (num_heads, num_kv_heads, head_dim, bf16, head_dim**-0.5, count)
+    status = fn(*tensors, *shape, *pointers, torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"{fn.__name__} failed ({status})")
+    return out.to(q.dtype)
 
 
 def _build(compiler: str, flags: list[str]) -> Path:
