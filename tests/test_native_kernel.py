@@ -142,22 +142,17 @@ def extend_batches(draw):  # type: ignore[no-untyped-def]
     return num_heads, num_kv_heads, head_dim, draw(st.lists(lengths, min_size=1, max_size=4))
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    batch=extend_batches(),
-    threads=st.sampled_from([1, 2]),
-    kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    seed=st.integers(0, 2**31 - 1),
-)
-def test_extend_kernel_matches_causal_attention(built, batch, threads, kv_dtype, seed) -> None:  # type: ignore[no-untyped-def]
-    kernels = built
+def run_extend(  # type: ignore[no-untyped-def]
+    kernels, batch, threads: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, list[tuple[int, int, int, torch.Tensor]], torch.Tensor, ...]:
+    """A random pool and spans for `batch`, and the extend kernel's output over them."""
     num_heads, num_kv_heads, head_dim, lengths = batch
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(NUM_SLOTS, generator=gen)
     k = torch.randn(NUM_SLOTS, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
     v = torch.randn(NUM_SLOTS, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
     total = sum(e for _, e in lengths)
-    q = torch.randn(total, num_heads, head_dim, generator=gen) * 3
+    q = (torch.randn(total, num_heads, head_dim, generator=gen) * 3).to(q_dtype)
     spans, taken, first = [], 0, 0
     for prefix_len, extend_len in lengths:
         slots = order[taken : taken + prefix_len + extend_len]
@@ -169,9 +164,39 @@ def test_extend_kernel_matches_causal_attention(built, batch, threads, kv_dtype,
         got = kernels.extend(q, k, v, native.ExtendLayout(spans))
     finally:
         torch.set_num_threads(before)
+    return got, spans, q, k, v
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batch=extend_batches(),
+    threads=st.sampled_from([1, 2]),
+    kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_extend_kernel_matches_causal_attention(built, batch, threads, kv_dtype, seed) -> None:  # type: ignore[no-untyped-def]
+    """float32 queries: float32 arithmetic over float32 or bfloat16 storage."""
+    got, spans, q, k, v = run_extend(built, batch, threads, torch.float32, kv_dtype, seed)
     for first, extend_len, prefix_len, slots in spans:
         want = causal_reference(q[first : first + extend_len], k, v, slots, prefix_len)
         torch.testing.assert_close(got[first : first + extend_len], want, atol=2e-5, rtol=1e-4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=extend_batches(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**31 - 1))
+def test_extend_bfloat16_model_matches_causal_attention(built, batch, threads, seed) -> None:  # type: ignore[no-untyped-def]
+    """A bfloat16 model over a bfloat16 pool: bfloat16 dot products where the CPU has them
+    (the probabilities rounded to bfloat16), float32 arithmetic where not; bfloat16 out."""
+    if built is native.kernels() and "avx512_bf16" in native._cpu_flags().split():
+        assert built.bf16_dots, "this CPU has AVX512-BF16 but the native build does not use it"
+    got, spans, q, k, v = run_extend(built, batch, threads, torch.bfloat16, torch.bfloat16, seed)
+    assert got.dtype == torch.bfloat16
+    for first, extend_len, prefix_len, slots in spans:
+        want = causal_reference(q[first : first + extend_len].float(), k, v, slots, prefix_len)
+        # bfloat16 output (2^-8 relative) + probabilities rounded to 2^-9 relative
+        torch.testing.assert_close(
+            got[first : first + extend_len].float(), want, atol=2e-2, rtol=1e-2
+        )
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])

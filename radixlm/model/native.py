@@ -73,8 +73,8 @@ def build_kernels(march: str) -> Kernels | None:
 
 
 class Kernels:
-    """The compiled library. Arithmetic is float32 whatever the storage: queries are widened
-    and outputs narrowed to the queries' dtype."""
+    """The compiled library. Arithmetic is float32 whatever the storage (but see `extend` for
+    bfloat16 models): queries are widened and outputs narrowed to the queries' dtype."""
 
     def __init__(self, lib: ctypes.CDLL):
         p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -87,6 +87,8 @@ class Kernels:
         self._rope_store = lib.rope_store
         self._rope_store.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, p, p, i32, p, i32]
         self._decode.restype = self._extend.restype = self._rope_store.restype = ctypes.c_int
+        # True when extend does bfloat16 dot products (AVX512-BF16) for bfloat16 models
+        self.bf16_dots = bool(lib.extend_bf16_dots())
 
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: DecodeLayout
@@ -100,8 +102,14 @@ class Kernels:
     ) -> torch.Tensor:
         """q (T, H, D): the new tokens of the requests in `layout`, back to back; k/v_cache
         (num_slots, KV, D), already holding the new tokens' K/V -> (T, H, D). Rows of q that
-        belong to no span of the layout come back uninitialised."""
-        return _attend(self._extend, q, k_cache, v_cache, layout.num_spans, layout.pointers)
+        belong to no span of the layout come back uninitialised.
+
+        bfloat16 queries over a bfloat16 pool use bfloat16 dot products where the CPU has them
+        (`bf16_dots`): the probabilities are rounded to bfloat16 before P V."""
+        bf16_dots = q.dtype == k_cache.dtype == torch.bfloat16
+        return _attend(
+            self._extend, q, k_cache, v_cache, layout.num_spans, layout.pointers, bf16_dots
+        )
 
     def rope_store(
         self,
@@ -162,8 +170,10 @@ def _attend(
     v_cache: torch.Tensor,
     count: int,
     pointers: tuple[int, ...],
+    bf16_dots: bool = False,
 ) -> torch.Tensor:
-    """Call an attention kernel (decode or extend: same leading arguments) -> out in q's dtype."""
+    """Call an attention kernel (decode or extend: same leading arguments) -> out in q's dtype.
+    bf16_dots asks the extend kernel for bfloat16 dot products (kv_mode 2)."""
     if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"the native kernels read float32 or bfloat16 K/V: {k_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -177,9 +187,9 @@ def _attend(
         raise ValueError(f"{num_heads} query heads do not divide into {num_kv_heads} KV heads")
     q32 = q.to(torch.float32).contiguous()
     out = torch.empty_like(q32)
-    bf16 = int(k_cache.dtype == torch.bfloat16)
+    kv_mode = 2 if bf16_dots else int(k_cache.dtype == torch.bfloat16)
     tensors = (q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr())
-    shape = (num_heads, num_kv_heads, head_dim, bf16, head_dim**-0.5, count)
+    shape = (num_heads, num_kv_heads, head_dim, kv_mode, head_dim**-0.5, count)
     status = fn(*tensors, *shape, *pointers, torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"{fn.__name__} failed ({status})")

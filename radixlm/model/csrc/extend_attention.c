@@ -20,12 +20,24 @@
    pairs of AVX2 registers where not (compiled with -march=native on the machine that runs it).
    Tasks write disjoint output rows and run in parallel on PyTorch's OpenMP pool.
 
-   Layouts: q, out (T, H, D) float32; k, v (num_slots, KV, D) float32 or bfloat16;
+   bfloat16 dot products (kv_mode 2: a bfloat16 model over a bfloat16 pool, on a CPU with
+   AVX512-BF16): the same loops on pairs of bfloat16 (one 32-bit lane holds elements 2i, 2i+1),
+   each vdpbf16ps doing two multiply-adds per lane into float32 accumulators, so half the
+   instructions. Q K^T pairs run along D (kt holds K transposed pair-wise, (D/2, KB)); P V pairs
+   run along the keys (vb holds rows 2i and 2i+1 interleaved, (KB/2, D)). The queries are
+   bfloat16 already; the probabilities P are rounded to bfloat16 after the float32 softmax, as
+   GPU flash attention does; m, l and the accumulators stay float32.
+
+   Layouts: q, out (T, H, D) float32; k, v (num_slots, KV, D) float32 (kv_mode 0) or bfloat16
+   (kv_mode 1: float32 arithmetic; 2: bfloat16 dot products where the CPU has them, else 1);
    spans (num_spans, 4): first row in q/out, extend_len, prefix_len, offset of the request's
    prefix_len + extend_len slots in `slots`.
 */
 #include <math.h>
 #include <stdint.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -183,9 +195,173 @@ ALWAYS_INLINE void run_task(const Batch *b, int64_t span, int64_t head, int64_t 
     free(qs);
 }
 
-static void run_task_dispatch(const Batch *b, int64_t span, int64_t head, int64_t tok0,
-                              int64_t tok1, int64_t D, int bf16)
+#if defined(__AVX512BF16__)
+#define HAS_BF16_DOTS 1
+
+typedef uint32_t pair_t; /* two bfloat16: element 2i in the low half, 2i + 1 in the high half */
+
+/* acc += a * b pair-wise: lane i gets a.lo * b.lo + a.hi * b.hi; b is one pair for all lanes. */
+ALWAYS_INLINE v16 dot_pairs(v16 acc, __m512i a, pair_t b)
 {
+    return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32((int)b));
+}
+
+ALWAYS_INLINE __m512i load_pairs(const pair_t *p) { return _mm512_loadu_si512(p); }
+
+/* float32 -> bfloat16 bits, rounded to nearest even (finite inputs). */
+ALWAYS_INLINE uint32_t bf16_bits(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+/* acc[:, c0 .. c0 + 16 * nc) += P V for R rows, two keys per instruction. */
+ALWAYS_INLINE void pv_slab_bf16(float *acc, const pair_t *vb, pair_t p[R][KB / 2],
+                                int64_t pairs, int64_t c0, const int64_t D, const int nc)
+{
+    v16 a[R][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < nc; c++) a[r][c] = load16(acc + r * D + c0 + c * 16);
+    for (int64_t j = 0; j < pairs; j++) {
+        __m512i vj[4];
+        for (int c = 0; c < nc; c++) vj[c] = load_pairs(vb + j * D + c0 + c * 16);
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < nc; c++) a[r][c] = dot_pairs(a[r][c], vj[c], p[r][j]);
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < nc; c++) store16(acc + r * D + c0 + c * 16, a[r][c]);
+}
+
+/* block_rows with bfloat16 pairs: qs (R, D/2), kt (D/2, KB), vb (KB/2, D) pairs. */
+ALWAYS_INLINE void block_rows_bf16(const pair_t *qs, const pair_t *kt, const pair_t *vb,
+                                   int64_t count, int64_t key0, const int64_t *limit, float *acc,
+                                   float *m, float *l, const int64_t D, const float scale)
+{
+    enum { NV = KB / 16 };
+    const int64_t half = D / 2;
+    v16 s[R][NV];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NV; c++) s[r][c] = (v16){0};
+    for (int64_t d = 0; d < half; d++) {
+        __m512i kd[NV];
+        for (int c = 0; c < NV; c++) kd[c] = load_pairs(kt + d * KB + c * 16);
+        for (int r = 0; r < R; r++) {
+            const pair_t qv = qs[r * half + d];
+            for (int c = 0; c < NV; c++) s[r][c] = dot_pairs(s[r][c], kd[c], qv);
+        }
+    }
+    float p[R][KB];
+    pair_t pp[R][KB / 2];
+    for (int r = 0; r < R; r++) {
+        for (int c = 0; c < NV; c++) store16(p[r] + c * 16, s[r][c] * scale);
+        const int64_t last = limit[r] - key0;
+        for (int64_t j = 0; j < KB; j++)
+            if (j >= count || j > last) p[r][j] = NO_SCORE;
+        float top = m[r];
+        for (int64_t j = 0; j < KB; j++) top = p[r][j] > top ? p[r][j] : top;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < KB; j++) {
+            p[r][j] = expf(p[r][j] - top);
+            sum += p[r][j];
+        }
+        const float alpha = expf(m[r] - top);
+        l[r] = l[r] * alpha + sum;
+        m[r] = top;
+        float *a = acc + r * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) a[d] *= alpha;
+        for (int c = 0; c < KB / 32; c++) { /* 32 probabilities -> 16 pairs, in key order */
+            const __m512bh packed = _mm512_cvtne2ps_pbh((__m512)load16(p[r] + 32 * c + 16),
+                                                        (__m512)load16(p[r] + 32 * c));
+            memcpy(pp[r] + 16 * c, &packed, sizeof packed);
+        }
+    }
+    const int64_t pairs = (count + 1) / 2;
+    int64_t c0 = 0;
+    for (; c0 + 64 <= D; c0 += 64) pv_slab_bf16(acc, vb, pp, pairs, c0, D, 4);
+    for (; c0 < D; c0 += 16) pv_slab_bf16(acc, vb, pp, pairs, c0, D, 1);
+}
+
+/* run_task for bfloat16 queries over a bfloat16 pool (see the top of the file). */
+ALWAYS_INLINE void run_task_bf16(const Batch *b, int64_t span, int64_t head, int64_t tok0,
+                                 int64_t tok1, const int64_t D)
+{
+    const int64_t *sp = b->spans + 4 * span;
+    const int64_t row0 = sp[0], prefix = sp[2];
+    const int64_t *slots = b->slots + sp[3];
+    const int64_t group = b->group, tokens = tok1 - tok0, half = D / 2;
+    const int64_t n = tokens * group, padded = (n + R - 1) / R * R;
+    /* Scratch (4-byte words): acc (padded, D); m, l (padded); qs (padded, D/2); kt, vb. */
+    float *acc = calloc((size_t)(padded * (D + half + 2) + KB * D), 4);
+    int64_t *limit = malloc((size_t)padded * sizeof(int64_t));
+    if (acc == NULL || limit == NULL) abort();
+    float *m = acc + padded * D, *l = m + padded;
+    pair_t *qs = (pair_t *)(l + padded), *kt = qs + padded * half, *vb = kt + half * KB;
+    for (int64_t r = 0; r < padded; r++) {
+        m[r] = NO_SCORE;
+        limit[r] = -1;
+        if (r >= n) continue;
+        const int64_t tok = tok0 + r / group, g = r % group;
+        const float *qr = b->q + ((row0 + tok) * b->num_heads + head * group + g) * D;
+        for (int64_t d = 0; d < half; d++)
+            qs[r * half + d] = bf16_bits(qr[2 * d]) | bf16_bits(qr[2 * d + 1]) << 16;
+        limit[r] = prefix + tok;
+    }
+    const int64_t visible = prefix + tok1;
+    for (int64_t key0 = 0; key0 < visible; key0 += KB) {
+        const int64_t count = visible - key0 < KB ? visible - key0 : KB;
+        for (int64_t j = 0; j < KB; j += 2) {
+            const uint16_t *v0 = NULL, *v1 = NULL;
+            for (int64_t i = j; i < j + 2; i++) {
+                const pair_t *kr = NULL;
+                if (i < count) {
+                    const int64_t at = slots[key0 + i] * b->row_bytes + head * b->head_bytes;
+                    kr = (const pair_t *)(b->k + at);
+                    *(i == j ? &v0 : &v1) = (const uint16_t *)(b->v + at);
+                }
+                for (int64_t d = 0; d < half; d++) kt[d * KB + i] = kr ? kr[d] : 0;
+            }
+            pair_t *vp = vb + (j / 2) * D;
+            for (int64_t d = 0; d < D; d++)
+                vp[d] = (v0 ? v0[d] : 0u) | (uint32_t)(v1 ? v1[d] : 0u) << 16;
+        }
+        for (int64_t r = 0; r < padded; r += R) {
+            int64_t seen = -1;
+            for (int64_t i = r; i < r + R; i++) seen = limit[i] > seen ? limit[i] : seen;
+            if (seen < key0) continue;
+            block_rows_bf16(qs + r * half, kt, vb, count, key0, limit + r, acc + r * D, m + r,
+                            l + r, D, b->scale);
+        }
+    }
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t tok = tok0 + r / group, g = r % group;
+        float *o = b->out + ((row0 + tok) * b->num_heads + head * group + g) * D;
+        const float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < D; d++) o[d] = acc[r * D + d] * inv;
+    }
+    free(limit);
+    free(acc);
+}
+#else
+#define HAS_BF16_DOTS 0
+#endif
+
+/* 1 when this build does bfloat16 dot products for kv_mode 2 (else it runs kv_mode 1). */
+int extend_bf16_dots(void) { return HAS_BF16_DOTS; }
+
+static void run_task_dispatch(const Batch *b, int64_t span, int64_t head, int64_t tok0,
+                              int64_t tok1, int64_t D, int kv_mode)
+{
+#if HAS_BF16_DOTS
+    if (kv_mode == 2) {
+        if (D == 64) run_task_bf16(b, span, head, tok0, tok1, 64);
+        else run_task_bf16(b, span, head, tok0, tok1, D);
+        return;
+    }
+#endif
+    const int bf16 = kv_mode != 0;
     if (D == 64 && !bf16) run_task(b, span, head, tok0, tok1, 64, 0);
     else if (D == 64) run_task(b, span, head, tok0, tok1, 64, 1);
     else if (D == 128 && !bf16) run_task(b, span, head, tok0, tok1, 128, 0);
@@ -196,13 +372,13 @@ static void run_task_dispatch(const Batch *b, int64_t span, int64_t head, int64_
 }
 
 int extend_attention(const float *q, const void *k, const void *v, float *out, int64_t num_heads,
-                     int64_t num_kv_heads, int64_t head_dim, int kv_bf16, float scale,
+                     int64_t num_kv_heads, int64_t head_dim, int kv_mode, float scale,
                      int64_t num_spans, const int64_t *spans, const int64_t *slots,
                      int num_threads)
 {
     if (num_heads % num_kv_heads != 0) return 1;
     if (head_dim % 16 != 0) return 2; /* rows are whole vectors of 16 floats */
-    const int64_t head_bytes = head_dim * (kv_bf16 ? 2 : 4);
+    const int64_t head_bytes = head_dim * (kv_mode ? 2 : 4);
     const Batch batch = {q,         out,       k, v, num_heads, num_heads / num_kv_heads,
                          num_kv_heads * head_bytes, head_bytes, scale, spans, slots};
     int64_t num_tasks = 0;
@@ -224,7 +400,7 @@ int extend_attention(const float *q, const void *k, const void *v, float *out, i
         const int64_t s = tasks[3 * i], tok0 = tasks[3 * i + 2] * TILE;
         const int64_t extend_len = spans[4 * s + 1];
         const int64_t tok1 = tok0 + TILE < extend_len ? tok0 + TILE : extend_len;
-        run_task_dispatch(&batch, s, tasks[3 * i + 1], tok0, tok1, head_dim, kv_bf16);
+        run_task_dispatch(&batch, s, tasks[3 * i + 1], tok0, tok1, head_dim, kv_mode);
     }
     free(tasks);
     return 0;
