@@ -23,6 +23,7 @@ TOKEN_RANGE = range(1000, 30000)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF directory or GGUF file (default model)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--cache", choices=["radix", "none", "both"], default="both")
     parser.add_argument("--num-slots", type=int, default=65_536, help="KV pool size in tokens")
     parser.add_argument("--max-running", type=int, default=64)
@@ -45,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         "params": workload_params(args),
         "seed": args.seed,
         "threads": args.threads,
+        "dtype": args.dtype,
         "model": args.model or "default (SmolLM2-135M-Instruct Q4_1)",
         "modes": {},
     }
@@ -69,7 +71,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     from radixlm.request import Request, SamplingParams
 
     engine = Engine(
-        ModelConfig(path=args.model, num_threads=args.threads),
+        ModelConfig(path=args.model, dtype=args.dtype, num_threads=args.threads),
         CacheConfig(num_slots=args.num_slots, cache=cast(CacheKind, mode)),
         SchedulerConfig(
             max_running_requests=args.max_running,

@@ -2,6 +2,8 @@
 
     csrc/decode_attention.c   one query per request; requests on a shared run read it once
     csrc/extend_attention.c   prefill: new tokens attend causally to their prefix and themselves
+    csrc/flash_tile.h         the register-tiled flash attention loops both use
+    csrc/rope_store.c         rope on q and k, and the K/V write into the pool, in one call
 
 Both read K/V where they lie in the pool (float32 or bfloat16), with no gather. Why C and not a
 PyTorch extension: two small files compile in a second or two with the system C compiler and
@@ -41,6 +43,7 @@ SOURCES = [
     Path(__file__).parent / "csrc" / name
     for name in ("decode_attention.c", "extend_attention.c", "rope_store.c")
 ]
+HEADERS = [Path(__file__).parent / "csrc" / "flash_tile.h"]  # included by the sources
 KV_DTYPES = (torch.float32, torch.bfloat16)  # pool dtypes the kernels read
 MAX_HEAD_DIM = 256  # head_dim: a multiple of 16 (whole vector registers), at most this
 FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]  # and -march
@@ -200,7 +203,7 @@ def _build(compiler: str, flags: list[str]) -> Path:
     """The library for these sources, flags and CPU: from the cache, or compiled into it (the
     user's cache directory, else a per-user one under the temp directory)."""
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         key.update(source.read_bytes())
     for part in (compiler, " ".join(flags), platform.machine(), _cpu_flags()):
         key.update(part.encode())

@@ -1,0 +1,285 @@
+/* Flash attention on register tiles: the inner loops of the extend kernel, which the decode
+   kernel also uses for the rows of requests that share a run of slots.
+
+   A tile is a set of query rows (a multiple of R) with their online-softmax state (running max m,
+   running sum l, unnormalised output acc) and, per row, the last key it may see (causal masks;
+   -1 for padding rows). tile_attend walks the keys slots[0 .. visible) in blocks of KB:
+
+       K block -> kt (D, KB) transposed, V block -> vb (KB, D): widened, contiguous, in L1
+       for each group of R rows that can see some key of the block:
+           S (R, KB) = Q K^T        R x KB/16 accumulators, one broadcast-FMA per (row, d, 16 keys)
+           mask keys past each row's limit; online softmax
+           acc (R, D) = acc * alpha + P V       R x D/16 accumulators
+
+   Vectors are GCC vector extensions of 16 floats: AVX-512 registers where the CPU has them,
+   pairs of AVX2 registers where not (compiled with -march=native on the machine that runs it).
+
+   bfloat16 dot products (tile_attend_bf16, on CPUs with AVX512-BF16): the same loops on pairs
+   of bfloat16 (one 32-bit lane holds elements 2i and 2i+1), each vdpbf16ps doing two
+   multiply-adds per lane into float32 accumulators, so half the instructions. Q K^T pairs run
+   along D (kt holds K transposed pair-wise, (D/2, KB)); P V pairs run along the keys (vb holds
+   rows 2i and 2i+1 interleaved, (KB/2, D)). The queries are bfloat16 already (a bfloat16
+   model); the probabilities P are rounded to bfloat16 after the float32 softmax, as GPU flash
+   attention does; m, l and acc stay float32.
+*/
+#ifndef RADIXLM_FLASH_TILE_H
+#define RADIXLM_FLASH_TILE_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#define KB 32           /* keys per block */
+#define R 8             /* query rows per register group */
+#define NO_SCORE -1e30f /* "minus infinity" that -ffast-math may not assume away */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+typedef float v16 __attribute__((vector_size(64)));
+
+ALWAYS_INLINE v16 load16(const float *p)
+{
+    v16 x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+ALWAYS_INLINE void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
+
+ALWAYS_INLINE float kv_at(const char *row, int64_t d, const int bf16)
+{
+    if (!bf16) return ((const float *)row)[d];
+    const uint32_t bits = (uint32_t)((const uint16_t *)row)[d] << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+typedef struct {
+    const char *k, *v;   /* the pool layer, as bytes */
+    int64_t row_bytes;   /* one slot: KV * D elements */
+    int64_t head_offset; /* bytes from a slot's start to this task's head */
+} KeySource;
+
+typedef struct {
+    int64_t rows;         /* a multiple of R */
+    const int64_t *limit; /* per row: the last key (index into slots) it may see; -1: none */
+    float *acc, *m, *l;   /* (rows, D), (rows), (rows): m starts at NO_SCORE, acc and l at 0 */
+} Tile;
+
+/* The furthest key any row of the group [r, r + R) may see. */
+ALWAYS_INLINE int64_t group_limit(const Tile *t, int64_t r)
+{
+    int64_t seen = -1;
+    for (int64_t i = r; i < r + R; i++) seen = t->limit[i] > seen ? t->limit[i] : seen;
+    return seen;
+}
+
+/* One row's online-softmax step over a block's scores p (KB, masked in place): updates m, l,
+   rescales acc by how much the running max moved, leaves the probabilities in p. */
+ALWAYS_INLINE void softmax_row(float *p, int64_t count, int64_t last, float *m, float *l,
+                               float *acc, const int64_t D)
+{
+    for (int64_t j = 0; j < KB; j++) /* keys past the block or past the row's limit */
+        if (j >= count || j > last) p[j] = NO_SCORE;
+    float top = *m;
+    for (int64_t j = 0; j < KB; j++) top = p[j] > top ? p[j] : top;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < KB; j++) {
+        p[j] = expf(p[j] - top);
+        sum += p[j];
+    }
+    const float alpha = expf(*m - top);
+    *l = *l * alpha + sum;
+    *m = top;
+#pragma omp simd
+    for (int64_t d = 0; d < D; d++) acc[d] *= alpha;
+}
+
+/* acc[:, c0 .. c0 + 16 * nc) += P V for R rows; the slab's accumulators stay in registers. */
+ALWAYS_INLINE void pv_slab(float *acc, const float *vb, float p[R][KB], int64_t count,
+                           int64_t c0, const int64_t D, const int nc)
+{
+    v16 a[R][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < nc; c++) a[r][c] = load16(acc + r * D + c0 + c * 16);
+    for (int64_t j = 0; j < count; j++) {
+        v16 vj[4];
+        for (int c = 0; c < nc; c++) vj[c] = load16(vb + j * D + c0 + c * 16);
+        for (int r = 0; r < R; r++) {
+            const float pj = p[r][j];
+            for (int c = 0; c < nc; c++) a[r][c] += pj * vj[c];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < nc; c++) store16(acc + r * D + c0 + c * 16, a[r][c]);
+}
+
+/* Rows [r0, r0 + R) against one key block: S = Q K^T, mask, online softmax, acc += P V.
+   limit[r]: the last key index row r may see. */
+ALWAYS_INLINE void block_rows(const float *qs, const float *kt, const float *vb, int64_t count,
+                              int64_t key0, const int64_t *limit, float *acc, float *m, float *l,
+                              const int64_t D)
+{
+    enum { NV = KB / 16 };
+    v16 s[R][NV];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NV; c++) s[r][c] = (v16){0};
+    for (int64_t d = 0; d < D; d++) {
+        v16 kd[NV];
+        for (int c = 0; c < NV; c++) kd[c] = load16(kt + d * KB + c * 16);
+        for (int r = 0; r < R; r++) {
+            const float qv = qs[r * D + d];
+            for (int c = 0; c < NV; c++) s[r][c] += qv * kd[c];
+        }
+    }
+    float p[R][KB];
+    for (int r = 0; r < R; r++) {
+        for (int c = 0; c < NV; c++) store16(p[r] + c * 16, s[r][c]);
+        softmax_row(p[r], count, limit[r] - key0, m + r, l + r, acc + r * D, D);
+    }
+    int64_t c0 = 0; /* acc (R, D) += P V, in column slabs of 64, then 16 */
+    for (; c0 + 64 <= D; c0 += 64) pv_slab(acc, vb, p, count, c0, D, 4);
+    for (; c0 < D; c0 += 16) pv_slab(acc, vb, p, count, c0, D, 1);
+}
+
+/* Keys slots[0 .. visible) for every row of the tile; float32 rows qs (rows, D), pre-scaled.
+   kt, vb: scratch of KB * D floats each. */
+ALWAYS_INLINE void tile_attend(const Tile *t, const float *qs, const KeySource *src,
+                               const int64_t *slots, int64_t visible, float *kt, float *vb,
+                               const int64_t D, const int bf16)
+{
+    for (int64_t key0 = 0; key0 < visible; key0 += KB) {
+        const int64_t count = visible - key0 < KB ? visible - key0 : KB;
+        for (int64_t j = 0; j < KB; j++) {
+            if (j < count) {
+                const int64_t at = slots[key0 + j] * src->row_bytes + src->head_offset;
+                const char *kr = src->k + at, *vr = src->v + at;
+                for (int64_t d = 0; d < D; d++) {
+                    kt[d * KB + j] = kv_at(kr, d, bf16);
+                    vb[j * D + d] = kv_at(vr, d, bf16);
+                }
+            } else {
+                for (int64_t d = 0; d < D; d++) kt[d * KB + j] = 0.0f;
+            }
+        }
+        for (int64_t r = 0; r < t->rows; r += R) {
+            if (group_limit(t, r) < key0) continue; /* the whole block is in the group's future */
+            block_rows(qs + r * D, kt, vb, count, key0, t->limit + r, t->acc + r * D, t->m + r,
+                       t->l + r, D);
+        }
+    }
+}
+
+#if defined(__AVX512BF16__)
+#define HAS_BF16_DOTS 1
+
+typedef uint32_t pair_t; /* two bfloat16: element 2i in the low half, 2i + 1 in the high half */
+
+/* acc += a * b pair-wise: lane i gets a.lo * b.lo + a.hi * b.hi; b is one pair for all lanes. */
+ALWAYS_INLINE v16 dot_pairs(v16 acc, __m512i a, pair_t b)
+{
+    return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32((int)b));
+}
+
+ALWAYS_INLINE __m512i load_pairs(const pair_t *p) { return _mm512_loadu_si512(p); }
+
+/* float32 -> bfloat16 bits, rounded to nearest even (finite inputs). */
+ALWAYS_INLINE uint32_t bf16_bits(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+/* acc[:, c0 .. c0 + 16 * nc) += P V for R rows, two keys per instruction. */
+ALWAYS_INLINE void pv_slab_bf16(float *acc, const pair_t *vb, pair_t p[R][KB / 2],
+                                int64_t pairs, int64_t c0, const int64_t D, const int nc)
+{
+    v16 a[R][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < nc; c++) a[r][c] = load16(acc + r * D + c0 + c * 16);
+    for (int64_t j = 0; j < pairs; j++) {
+        __m512i vj[4];
+        for (int c = 0; c < nc; c++) vj[c] = load_pairs(vb + j * D + c0 + c * 16);
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < nc; c++) a[r][c] = dot_pairs(a[r][c], vj[c], p[r][j]);
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < nc; c++) store16(acc + r * D + c0 + c * 16, a[r][c]);
+}
+
+/* block_rows with bfloat16 pairs: qs (R, D/2), kt (D/2, KB), vb (KB/2, D) pairs. */
+ALWAYS_INLINE void block_rows_bf16(const pair_t *qs, const pair_t *kt, const pair_t *vb,
+                                   int64_t count, int64_t key0, const int64_t *limit, float *acc,
+                                   float *m, float *l, const int64_t D, const float scale)
+{
+    enum { NV = KB / 16 };
+    const int64_t half = D / 2;
+    v16 s[R][NV];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NV; c++) s[r][c] = (v16){0};
+    for (int64_t d = 0; d < half; d++) {
+        __m512i kd[NV];
+        for (int c = 0; c < NV; c++) kd[c] = load_pairs(kt + d * KB + c * 16);
+        for (int r = 0; r < R; r++) {
+            const pair_t qv = qs[r * half + d];
+            for (int c = 0; c < NV; c++) s[r][c] = dot_pairs(s[r][c], kd[c], qv);
+        }
+    }
+    float p[R][KB];
+    pair_t pp[R][KB / 2];
+    for (int r = 0; r < R; r++) {
+        for (int c = 0; c < NV; c++) store16(p[r] + c * 16, s[r][c] * scale);
+        softmax_row(p[r], count, limit[r] - key0, m + r, l + r, acc + r * D, D);
+        for (int c = 0; c < KB / 32; c++) { /* 32 probabilities -> 16 pairs, in key order */
+            const __m512bh packed = _mm512_cvtne2ps_pbh((__m512)load16(p[r] + 32 * c + 16),
+                                                        (__m512)load16(p[r] + 32 * c));
+            memcpy(pp[r] + 16 * c, &packed, sizeof packed);
+        }
+    }
+    const int64_t pairs = (count + 1) / 2;
+    int64_t c0 = 0;
+    for (; c0 + 64 <= D; c0 += 64) pv_slab_bf16(acc, vb, pp, pairs, c0, D, 4);
+    for (; c0 < D; c0 += 16) pv_slab_bf16(acc, vb, pp, pairs, c0, D, 1);
+}
+
+/* tile_attend with bfloat16 dot products: rows qs (rows, D/2) bfloat16 pairs, unscaled (the
+   scores are scaled in float32). K/V are bfloat16 in the pool. kt, vb: KB * D / 2 pairs each. */
+ALWAYS_INLINE void tile_attend_bf16(const Tile *t, const pair_t *qs, float scale,
+                                    const KeySource *src, const int64_t *slots, int64_t visible,
+                                    pair_t *kt, pair_t *vb, const int64_t D)
+{
+    const int64_t half = D / 2;
+    for (int64_t key0 = 0; key0 < visible; key0 += KB) {
+        const int64_t count = visible - key0 < KB ? visible - key0 : KB;
+        for (int64_t j = 0; j < KB; j += 2) {
+            const uint16_t *v0 = NULL, *v1 = NULL;
+            for (int64_t i = j; i < j + 2; i++) {
+                const pair_t *kr = NULL;
+                if (i < count) {
+                    const int64_t at = slots[key0 + i] * src->row_bytes + src->head_offset;
+                    kr = (const pair_t *)(src->k + at);
+                    *(i == j ? &v0 : &v1) = (const uint16_t *)(src->v + at);
+                }
+                for (int64_t d = 0; d < half; d++) kt[d * KB + i] = kr ? kr[d] : 0;
+            }
+            pair_t *vp = vb + (j / 2) * D;
+            for (int64_t d = 0; d < D; d++)
+                vp[d] = (v0 ? v0[d] : 0u) | (uint32_t)(v1 ? v1[d] : 0u) << 16;
+        }
+        for (int64_t r = 0; r < t->rows; r += R) {
+            if (group_limit(t, r) < key0) continue;
+            block_rows_bf16(qs + r * half, kt, vb, count, key0, t->limit + r, t->acc + r * D,
+                            t->m + r, t->l + r, D, scale);
+        }
+    }
+}
+#else
+#define HAS_BF16_DOTS 0
+#endif
+
+#endif /* RADIXLM_FLASH_TILE_H */
