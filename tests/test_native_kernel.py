@@ -91,23 +91,37 @@ def decode_batches(draw):  # type: ignore[no-untyped-def]
     return num_heads, num_kv_heads, head_dim, slot_lists
 
 
-@settings(max_examples=60, deadline=None)
+# (queries, K/V): a float32 model over either pool, and a bfloat16 model over its bfloat16 pool
+DTYPES = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16)]
+BF16_MODEL = (torch.bfloat16, torch.bfloat16)
+
+
+def check_bf16_dots(kernels: native.Kernels) -> None:
+    """The native build uses bfloat16 dot products wherever the CPU has them."""
+    if kernels is native.kernels() and "avx512_bf16" in native._cpu_flags().split():
+        assert kernels.bf16_dots, "this CPU has AVX512-BF16 but the native build does not use it"
+
+
+@settings(max_examples=80, deadline=None)
 @given(
     batch=decode_batches(),
     threads=st.sampled_from([1, 2]),
-    kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    dtypes=st.sampled_from([*DTYPES, BF16_MODEL]),
 )
-def test_kernel_matches_softmax_attention(
-    built, batch, threads: int, kv_dtype: torch.dtype
-) -> None:  # type: ignore[no-untyped-def]
-    """float32 arithmetic over float32 or bfloat16 storage: the reference reads the same stored
-    values, so both dtypes meet the float32 tolerance."""
+def test_kernel_matches_softmax_attention(built, batch, threads: int, dtypes) -> None:  # type: ignore[no-untyped-def]
+    """float32 queries: float32 arithmetic over float32 or bfloat16 storage; the reference reads
+    the same stored values, so both pools meet the float32 tolerance. bfloat16 queries (a
+    bfloat16 model): shared runs in bfloat16 dot products where the CPU has them, the output
+    rounded to bfloat16."""
     kernels = built
+    check_bf16_dots(kernels)
+    q_dtype, kv_dtype = dtypes
     num_heads, num_kv_heads, head_dim, slot_lists = batch
     gen = torch.Generator().manual_seed(len(slot_lists))
     k = torch.randn(NUM_SLOTS, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
     v = torch.randn(NUM_SLOTS, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
     q = torch.randn(len(slot_lists), num_heads, head_dim, generator=gen) * 3  # peaked softmax
+    q = q.to(q_dtype)
     layout = native.DecodeLayout(slot_lists, find_shared_prefixes(slot_lists))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -115,7 +129,12 @@ def test_kernel_matches_softmax_attention(
         got = kernels.decode(q, k, v, layout)
     finally:
         torch.set_num_threads(before)
-    torch.testing.assert_close(got, reference(q, k, v, slot_lists), atol=2e-5, rtol=1e-4)
+    assert got.dtype == q_dtype
+    want = reference(q.float(), k, v, slot_lists)
+    if q_dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    else:  # bfloat16 output (2^-8 relative) + probabilities rounded to 2^-9 relative
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
 
 
 def causal_reference(
@@ -187,8 +206,7 @@ def test_extend_kernel_matches_causal_attention(built, batch, threads, kv_dtype,
 def test_extend_bfloat16_model_matches_causal_attention(built, batch, threads, seed) -> None:  # type: ignore[no-untyped-def]
     """A bfloat16 model over a bfloat16 pool: bfloat16 dot products where the CPU has them
     (the probabilities rounded to bfloat16), float32 arithmetic where not; bfloat16 out."""
-    if built is native.kernels() and "avx512_bf16" in native._cpu_flags().split():
-        assert built.bf16_dots, "this CPU has AVX512-BF16 but the native build does not use it"
+    check_bf16_dots(built)
     got, spans, q, k, v = run_extend(built, batch, threads, torch.bfloat16, torch.bfloat16, seed)
     assert got.dtype == torch.bfloat16
     for first, extend_len, prefix_len, slots in spans:

@@ -90,14 +90,15 @@ class Kernels:
         self._rope_store = lib.rope_store
         self._rope_store.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, p, p, i32, p, i32]
         self._decode.restype = self._extend.restype = self._rope_store.restype = ctypes.c_int
-        # True when extend does bfloat16 dot products (AVX512-BF16) for bfloat16 models
+        # True when the kernels do bfloat16 dot products (AVX512-BF16) for bfloat16 models
         self.bf16_dots = bool(lib.extend_bf16_dots())
 
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: DecodeLayout
     ) -> torch.Tensor:
         """q (B, H, D), one query per request (the members of `layout`, in order); k/v_cache
-        (num_slots, KV, D) -> (B, H, D)."""
+        (num_slots, KV, D) -> (B, H, D). Shared runs of bfloat16 queries over a bfloat16 pool
+        use bfloat16 dot products as `extend` does."""
         return _attend(self._decode, q, k_cache, v_cache, layout.num_units, layout.pointers)
 
     def extend(
@@ -109,10 +110,7 @@ class Kernels:
 
         bfloat16 queries over a bfloat16 pool use bfloat16 dot products where the CPU has them
         (`bf16_dots`): the probabilities are rounded to bfloat16 before P V."""
-        bf16_dots = q.dtype == k_cache.dtype == torch.bfloat16
-        return _attend(
-            self._extend, q, k_cache, v_cache, layout.num_spans, layout.pointers, bf16_dots
-        )
+        return _attend(self._extend, q, k_cache, v_cache, layout.num_spans, layout.pointers)
 
     def rope_store(
         self,
@@ -173,10 +171,10 @@ def _attend(
     v_cache: torch.Tensor,
     count: int,
     pointers: tuple[int, ...],
-    bf16_dots: bool = False,
 ) -> torch.Tensor:
     """Call an attention kernel (decode or extend: same leading arguments) -> out in q's dtype.
-    bf16_dots asks the extend kernel for bfloat16 dot products (kv_mode 2)."""
+    kv_mode: 0 float32 K/V, 1 bfloat16 K/V, 2 bfloat16 K/V and queries (a bfloat16 model: the
+    kernels may use bfloat16 dot products)."""
     if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"the native kernels read float32 or bfloat16 K/V: {k_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -190,7 +188,7 @@ def _attend(
         raise ValueError(f"{num_heads} query heads do not divide into {num_kv_heads} KV heads")
     q32 = q.to(torch.float32).contiguous()
     out = torch.empty_like(q32)
-    kv_mode = 2 if bf16_dots else int(k_cache.dtype == torch.bfloat16)
+    kv_mode = int(k_cache.dtype == torch.bfloat16) * (2 if q.dtype == torch.bfloat16 else 1)
     tensors = (q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr())
     shape = (num_heads, num_kv_heads, head_dim, kv_mode, head_dim**-0.5, count)
     status = fn(*tensors, *shape, *pointers, torch.get_num_threads())

@@ -13,7 +13,13 @@
    the running sum l and the unnormalised output acc (online softmax), and walks its keys in
    chunks: the shared run first (all members' queries), then each member's own slots.
 
-   Layouts (contiguous; q, out float32; k, v float32 or bfloat16, `kv_bf16` says which):
+   The shared run of a unit is many query rows against the same keys, the shape prefill has:
+   it goes through the extend kernel's register tiles (flash_tile.h), which widen each K/V row
+   once for all the rows and keep 8 rows x 32 keys of scores in registers. Each member's own
+   slots (a few rows each) go row by row.
+
+   Layouts (contiguous; q, out float32; k, v float32 (kv_mode 0) or bfloat16 (kv_mode 1; 2: a
+   bfloat16 model, whose shared runs use bfloat16 dot products where the CPU has them)):
      q, out     (B, H, D)             B requests, H query heads; heads h*G .. h*G+G-1 read kv head h
      k, v       (num_slots, KV, D)    one layer of the pool
      units      num_units + 1 offsets into the member arrays; unit u = members [units[u], units[u+1])
@@ -21,20 +27,11 @@
      own        (B, 2)                offset and length of each member's own slots (after the run)
      member_row (B,)                  the member's row in q / out
 */
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-#define CHUNK 32        /* keys per softmax update: the chunk's K/V rows stay in L1 */
-#define NO_SCORE -1e30f /* "minus infinity" that -ffast-math may not assume away */
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#include "flash_tile.h"
 
-typedef struct {
-    const char *k, *v;     /* the pool layer, as bytes */
-    int64_t row_bytes;     /* one slot: KV * D elements */
-    int64_t head_offset;   /* bytes from a slot's start to this task's head */
-} KeySource;
+#define CHUNK 32 /* keys per softmax update: the chunk's K/V rows stay in L1 */
 
 /* The K and V row addresses of keys slots[from .. from + count), for this task's head. */
 ALWAYS_INLINE void row_addresses(const KeySource *src, const int64_t *slots, int64_t from,
@@ -55,7 +52,6 @@ ALWAYS_INLINE void prefetch_row(const char *k_row, const char *v_row, int64_t ro
     }
 }
 
-typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 #define MAX_VECTORS 16 /* head_dim up to 256 */
@@ -157,24 +153,45 @@ typedef struct {
     const int64_t *units, *shared, *own, *member_row, *slots;
 } Batch;
 
-/* One task: kv head `head` of unit u. */
+/* One task: kv head `head` of unit u; dots: bfloat16 dot products on the shared run. */
 ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int64_t head,
-                            const int64_t D, const int bf16)
+                            const int64_t D, const int bf16, const int dots)
 {
     const int64_t first = b->units[u], num_members = b->units[u + 1] - first;
-    const int64_t group = b->group, n = num_members * group;
-    /* Scratch: the n query rows copied contiguous and pre-scaled, then acc (n, D), m, l. */
-    float *qs = calloc((size_t)(n * (2 * D + 2)), sizeof(float));
-    if (qs == NULL) abort(); /* a few KB; nothing sensible to do without it */
-    float *acc = qs + n * D, *m = acc + n * D, *l = m + n;
-    for (int64_t i = 0; i < n; i++) {
+    const int64_t group = b->group, n = num_members * group, rows = (n + R - 1) / R * R;
+    const int64_t *run = b->shared + 2 * u;
+    /* Scratch (4-byte words): qs (rows, D) pre-scaled, acc (rows, D), m, l (rows); for the
+       shared run's tile: qp (rows, D/2) bfloat16 pairs, kt, vb (KB, D); limit (rows) int64. */
+    float *qs = calloc((size_t)(rows * (2 * D + 2) + rows * D / 2 + 2 * KB * D), sizeof(float));
+    int64_t *limit = malloc((size_t)rows * sizeof(int64_t));
+    if (qs == NULL || limit == NULL) abort(); /* a few KB; nothing sensible to do without it */
+    float *acc = qs + rows * D, *m = acc + rows * D, *l = m + rows, *qp = l + rows;
+    float *kt = qp + rows * D / 2, *vb = kt + KB * D;
+    for (int64_t i = 0; i < rows; i++) {
+        m[i] = NO_SCORE;
+        limit[i] = i < n ? run[1] - 1 : -1; /* the whole run; padding rows see nothing */
+        if (i >= n) continue;
         const int64_t row = b->member_row[first + i / group];
         const float *qi = b->q + (row * b->num_heads + head * group + i % group) * D;
         for (int64_t d = 0; d < D; d++) qs[i * D + d] = qi[d] * b->scale;
-        m[i] = NO_SCORE;
+#if HAS_BF16_DOTS
+        if (dots)
+            for (int64_t d = 0; d < D / 2; d++)
+                ((pair_t *)qp)[i * (D / 2) + d] = bf16_bits(qi[2 * d]) | bf16_bits(qi[2 * d + 1])
+                                                                              << 16;
+#endif
     }
-    const int64_t *run = b->shared + 2 * u;
-    if (run[1] > 0) attend_keys(src, qs, n, b->slots + run[0], run[1], acc, m, l, D, bf16);
+    if (run[1] > 0) {
+        const Tile tile = {rows, limit, acc, m, l};
+        const int64_t *slots = b->slots + run[0];
+#if HAS_BF16_DOTS
+        if (dots)
+            tile_attend_bf16(&tile, (const pair_t *)qp, b->scale, src, slots, run[1],
+                             (pair_t *)kt, (pair_t *)vb, D);
+        else
+#endif
+            tile_attend(&tile, qs, src, slots, run[1], kt, vb, D, bf16);
+    }
     for (int64_t r = 0; r < num_members; r++) {
         const int64_t *mine = b->own + 2 * (first + r), at = r * group;
         attend_keys(src, qs + at * D, group, b->slots + mine[0], mine[1], acc + at * D, m + at,
@@ -186,23 +203,28 @@ ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int
         const float inv = 1.0f / l[i];
         for (int64_t d = 0; d < D; d++) o[d] = acc[i * D + d] * inv;
     }
+    free(limit);
     free(qs);
 }
 
 /* Literal head sizes and element types let the compiler unroll and specialise the loops. */
 static void run_task_dispatch(const Batch *b, const KeySource *src, int64_t u, int64_t head,
-                              int64_t D, int bf16)
+                              int64_t D, int kv_mode)
 {
-    if (D == 64 && !bf16) run_task(b, src, u, head, 64, 0);
-    else if (D == 64) run_task(b, src, u, head, 64, 1);
-    else if (D == 128 && !bf16) run_task(b, src, u, head, 128, 0);
-    else if (D == 128) run_task(b, src, u, head, 128, 1);
-    else if (!bf16) run_task(b, src, u, head, D, 0);
-    else run_task(b, src, u, head, D, 1);
+    if (kv_mode == 2 && HAS_BF16_DOTS) {
+        if (D == 64) run_task(b, src, u, head, 64, 1, 1);
+        else run_task(b, src, u, head, D, 1, 1);
+    }
+    else if (D == 64 && !kv_mode) run_task(b, src, u, head, 64, 0, 0);
+    else if (D == 64) run_task(b, src, u, head, 64, 1, 0);
+    else if (D == 128 && !kv_mode) run_task(b, src, u, head, 128, 0, 0);
+    else if (D == 128) run_task(b, src, u, head, 128, 1, 0);
+    else if (!kv_mode) run_task(b, src, u, head, D, 0, 0);
+    else run_task(b, src, u, head, D, 1, 0);
 }
 
 int decode_attention(const float *q, const void *k, const void *v, float *out, int64_t num_heads,
-                     int64_t num_kv_heads, int64_t head_dim, int kv_bf16, float scale,
+                     int64_t num_kv_heads, int64_t head_dim, int kv_mode, float scale,
                      int64_t num_units, const int64_t *units, const int64_t *shared,
                      const int64_t *own, const int64_t *member_row, const int64_t *slots,
                      int num_threads)
@@ -211,12 +233,12 @@ int decode_attention(const float *q, const void *k, const void *v, float *out, i
     if (head_dim % 16 != 0 || head_dim > 16 * MAX_VECTORS) return 2; /* whole vectors */
     const Batch batch = {q,     out,    num_heads, num_heads / num_kv_heads, scale, units, shared,
                          own,   member_row, slots};
-    const int64_t elem = kv_bf16 ? 2 : 4;
+    const int64_t elem = kv_mode ? 2 : 4;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t t = 0; t < num_units * num_kv_heads; t++) {
         const int64_t head = t % num_kv_heads;
         const KeySource src = {k, v, num_kv_heads * head_dim * elem, head * head_dim * elem};
-        run_task_dispatch(&batch, &src, t / num_kv_heads, head, head_dim, kv_bf16);
+        run_task_dispatch(&batch, &src, t / num_kv_heads, head, head_dim, kv_mode);
     }
     return 0;
 }
