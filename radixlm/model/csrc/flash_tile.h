@@ -78,7 +78,8 @@ ALWAYS_INLINE int64_t group_limit(const Tile *t, int64_t r)
 }
 
 /* One row's online-softmax step over a block's scores p (KB, masked in place): updates m, l,
-   rescales acc by how much the running max moved, leaves the probabilities in p. */
+   rescales acc when the running max moved (after the first blocks it seldom does), leaves the
+   probabilities in p. */
 ALWAYS_INLINE void softmax_row(float *p, int64_t count, int64_t last, float *m, float *l,
                                float *acc, const int64_t D)
 {
@@ -92,11 +93,14 @@ ALWAYS_INLINE void softmax_row(float *p, int64_t count, int64_t last, float *m, 
         p[j] = expf(p[j] - top);
         sum += p[j];
     }
-    const float alpha = expf(*m - top);
-    *l = *l * alpha + sum;
-    *m = top;
+    if (top > *m) { /* the running max moved: rescale what the earlier blocks gave */
+        const float alpha = expf(*m - top);
+        *l *= alpha;
+        *m = top;
 #pragma omp simd
-    for (int64_t d = 0; d < D; d++) acc[d] *= alpha;
+        for (int64_t d = 0; d < D; d++) acc[d] *= alpha;
+    }
+    *l += sum;
 }
 
 /* acc[:, c0 .. c0 + 16 * nc) += P V for R rows; the slab's accumulators stay in registers. */
