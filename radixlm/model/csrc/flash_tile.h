@@ -69,6 +69,21 @@ typedef struct {
     float *acc, *m, *l;   /* (rows, D), (rows), (rows): m starts at NO_SCORE, acc and l at 0 */
 } Tile;
 
+/* Ask for the K/V rows of keys slots[from .. to) (row_bytes each) before they are needed: the
+   block being computed now takes far longer than the misses, which a random slot order makes
+   likely, so they overlap the arithmetic. */
+ALWAYS_INLINE void prefetch_block(const KeySource *src, const int64_t *slots, int64_t from,
+                                  int64_t to, int64_t row_bytes)
+{
+    for (int64_t j = from; j < to; j++) {
+        const int64_t at = slots[j] * src->row_bytes + src->head_offset;
+        for (int64_t b = 0; b < row_bytes; b += 64) { /* one cache line at a time */
+            __builtin_prefetch(src->k + at + b);
+            __builtin_prefetch(src->v + at + b);
+        }
+    }
+}
+
 /* The furthest key any row of the group [r, r + R) may see. */
 ALWAYS_INLINE int64_t group_limit(const Tile *t, int64_t r)
 {
@@ -170,6 +185,8 @@ ALWAYS_INLINE void tile_attend(const Tile *t, const float *qs, const KeySource *
                 for (int64_t d = 0; d < D; d++) kt[d * KB + j] = 0.0f;
             }
         }
+        const int64_t next = key0 + KB + KB < visible ? key0 + KB + KB : visible;
+        prefetch_block(src, slots, key0 + KB, next, D * (bf16 ? 2 : 4));
         for (int64_t r = 0; r < t->rows; r += R) {
             if (group_limit(t, r) < key0) continue; /* the whole block is in the group's future */
             block_rows(qs + r * D, kt, vb, count, key0, t->limit + r, t->acc + r * D, t->m + r,
@@ -275,6 +292,8 @@ ALWAYS_INLINE void tile_attend_bf16(const Tile *t, const pair_t *qs, float scale
             for (int64_t d = 0; d < D; d++)
                 vp[d] = (v0 ? v0[d] : 0u) | (uint32_t)(v1 ? v1[d] : 0u) << 16;
         }
+        const int64_t next = key0 + KB + KB < visible ? key0 + KB + KB : visible;
+        prefetch_block(src, slots, key0 + KB, next, D * 2);
         for (int64_t r = 0; r < t->rows; r += R) {
             if (group_limit(t, r) < key0) continue;
             block_rows_bf16(qs + r * half, kt, vb, count, key0, t->limit + r, t->acc + r * D,
