@@ -88,7 +88,7 @@ class Kernels:
         self._extend = lib.extend_attention
         self._extend.argtypes = [*common, p, p, i32]
         self._rope_store = lib.rope_store
-        self._rope_store.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, p, p, i32, p, i32]
+        self._rope_store.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, p, p, i32, i32, p, i32]
         self._decode.restype = self._extend.restype = self._rope_store.restype = ctypes.c_int
         # True when the kernels do bfloat16 dot products (AVX512-BF16) for bfloat16 models
         self.bf16_dots = bool(lib.extend_bf16_dots())
@@ -123,12 +123,13 @@ class Kernels:
     ) -> torch.Tensor:
         """Rotate the new tokens' q and k and write k, v into the pool at `out_slots`.
 
-        qkv (T, (H + 2 KV) * D) float32, the stacked projection; rope: (cos, sign-folded sin),
-        each (T, 1, D) float32 (rope.rope_cos_sin). Returns q (T, H, D), rotated."""
+        qkv (T, (H + 2 KV) * D) float32 or bfloat16, the stacked projection; rope: (cos,
+        sign-folded sin), each (T, 1, D) float32 (rope.rope_cos_sin). Arithmetic is float32.
+        Returns q (T, H, D) in qkv's dtype, rotated."""
         cos, sin = rope
         num_tokens, (num_kv_heads, head_dim) = qkv.shape[0], k_cache.shape[1:]
-        if qkv.dtype != torch.float32 or cos.dtype != torch.float32 or qkv.stride(1) != 1:
-            raise ValueError("rope_store takes float32 rows of the qkv projection")
+        if qkv.dtype not in KV_DTYPES or cos.dtype != torch.float32 or qkv.stride(1) != 1:
+            raise ValueError("rope_store takes float32 or bfloat16 rows of the qkv projection")
         if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
             raise ValueError(f"qkv rows of {qkv.shape[1]} do not hold {num_heads} query heads")
         if k_cache.dtype not in KV_DTYPES or not k_cache.is_contiguous():
@@ -136,11 +137,11 @@ class Kernels:
         q = qkv.new_empty(num_tokens, num_heads, head_dim)
         slots = out_slots.to(torch.int64).contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
-        bf16 = int(k_cache.dtype == torch.bfloat16)
+        kv_bf16, qkv_bf16 = int(k_cache.dtype == torch.bfloat16), int(qkv.dtype == torch.bfloat16)
         status = self._rope_store(
             qkv.data_ptr(), num_tokens, qkv.stride(0), num_heads, num_kv_heads, head_dim,
             cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
-            v_cache.data_ptr(), bf16, q.data_ptr(), torch.get_num_threads(),
+            v_cache.data_ptr(), kv_bf16, qkv_bf16, q.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"rope_store failed ({status})")

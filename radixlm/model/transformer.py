@@ -102,8 +102,9 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
         k_cache, v_cache = kv
-        if plan.kernels is not None and self.q_norm is None and qkv.dtype == torch.float32:
-            # rope on q and k, and the K/V write into the pool, in one native call
+        if plan.kernels is not None and self.q_norm is None:
+            # rope on q and k, and the K/V write into the pool, in one native call (float32
+            # cos/sin: see CausalLM.forward)
             q = plan.kernels.rope_store(qkv, rope, out_slots, k_cache, v_cache, self.num_heads)
             return self.o_proj(attend(q, None, None, k_cache, v_cache, plan))
         q, k, v = qkv.split(self.split_sizes, dim=-1)
@@ -199,7 +200,9 @@ class CausalLM(nn.Module):
         if self.native_kernels and h.device.type == "cpu" and pool.dtype in native.KV_DTYPES:
             kernels = native.kernels()
         plan = AttentionPlan.build(batch, c.num_kv_heads, c.head_dim, pool.dtype, kernels)
-        rope = rope_cos_sin(batch.positions, self.inv_freq, h.dtype)
+        # the native rope_store computes in float32 whatever the model's dtype
+        rope_dtype = torch.float32 if plan.kernels is not None and not c.qk_norm else h.dtype
+        rope = rope_cos_sin(batch.positions, self.inv_freq, rope_dtype)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, rope, batch.out_slots, (pool.k_cache(i), pool.v_cache(i)), plan)
         h = self.model.norm(h.index_select(0, batch.logits_indices))  # (R, hidden)

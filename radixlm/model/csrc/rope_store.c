@@ -6,12 +6,13 @@
    than in arithmetic. Here it is one call per layer.
 
    Layouts (contiguous):
-     qkv        (T, row_stride) float32: per token, q (H * D), then k (KV * D), then v (KV * D)
+     qkv        (T, row_stride) float32 or bfloat16 (qkv_bf16, a bfloat16 model): per token,
+                q (H * D), then k (KV * D), then v (KV * D); the arithmetic is float32
      cos, sin   (T, D) float32; sin carries rope's sign: rope(x)[d] = x[d] cos[d] + x[d ^ half] sin[d]
                 where d ^ half is the same position in the other half of the head
      out_slots  (T,) the pool slot each token's K/V goes to
      k, v       (num_slots, KV, D) float32 or bfloat16 (rounded to nearest even, as PyTorch does)
-     q_out      (T, H, D) float32
+     q_out      (T, H, D) in qkv's dtype
 */
 #include <stdint.h>
 #include <string.h>
@@ -35,7 +36,7 @@ static inline void rotate(const float *x, const float *cos, const float *sin, fl
     }
 }
 
-static inline void store_row(const float *row, char *dst, int64_t D, int bf16)
+static inline void store_row(const float *row, void *dst, int64_t D, int bf16)
 {
     if (!bf16) {
         memcpy(dst, row, (size_t)D * sizeof(float));
@@ -45,28 +46,46 @@ static inline void store_row(const float *row, char *dst, int64_t D, int bf16)
     for (int64_t d = 0; d < D; d++) out[d] = to_bf16(row[d]);
 }
 
-int rope_store(const float *qkv, int64_t num_tokens, int64_t row_stride, int64_t num_heads,
-               int64_t num_kv_heads, int64_t head_dim, const float *cos, const float *sin,
-               const int64_t *out_slots, void *k, void *v, int kv_bf16, float *q_out,
-               int num_threads)
+/* D elements of a float32 or bfloat16 row, as float32 in out. */
+static inline const float *load_row(const void *src, int64_t at, int64_t D, int bf16, float *out)
 {
-    const int64_t D = head_dim, elem = kv_bf16 ? 2 : 4;
+    if (!bf16) return (const float *)src + at;
+    const uint16_t *in = (const uint16_t *)src + at;
+    for (int64_t d = 0; d < D; d++) {
+        const uint32_t bits = (uint32_t)in[d] << 16;
+        memcpy(out + d, &bits, sizeof bits);
+    }
+    return out;
+}
+
+int rope_store(const void *qkv, int64_t num_tokens, int64_t row_stride, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim, const float *cos, const float *sin,
+               const int64_t *out_slots, void *k, void *v, int kv_bf16, int qkv_bf16,
+               void *q_out, int num_threads)
+{
+    const int64_t D = head_dim, elem = kv_bf16 ? 2 : 4, q_elem = qkv_bf16 ? 2 : 4;
     if (D % 2 != 0 || D > 1024) return 1;
     const int64_t slot_bytes = num_kv_heads * D * elem;
     /* Threads only when there is enough work to pay for waking them (a prefill chunk). */
 #pragma omp parallel for num_threads(num_threads) if (num_tokens >= 64)
     for (int64_t t = 0; t < num_tokens; t++) {
-        const float *row = qkv + t * row_stride, *c = cos + t * D, *s = sin + t * D;
-        for (int64_t h = 0; h < num_heads; h++)
-            rotate(row + h * D, c, s, q_out + (t * num_heads + h) * D, D);
+        const float *c = cos + t * D, *s = sin + t * D;
+        float x[1024], rotated[1024];
+        for (int64_t h = 0; h < num_heads; h++) {
+            rotate(load_row(qkv, t * row_stride + h * D, D, qkv_bf16, x), c, s, rotated, D);
+            store_row(rotated, (char *)q_out + (t * num_heads + h) * D * q_elem, D, qkv_bf16);
+        }
         char *k_slot = (char *)k + out_slots[t] * slot_bytes;
         char *v_slot = (char *)v + out_slots[t] * slot_bytes;
-        const float *k_row = row + num_heads * D, *v_row = k_row + num_kv_heads * D;
-        float rotated[1024];
+        const int64_t k_at = t * row_stride + num_heads * D, v_at = k_at + num_kv_heads * D;
         for (int64_t h = 0; h < num_kv_heads; h++) {
-            rotate(k_row + h * D, c, s, rotated, D);
+            rotate(load_row(qkv, k_at + h * D, D, qkv_bf16, x), c, s, rotated, D);
             store_row(rotated, k_slot + h * D * elem, D, kv_bf16);
-            store_row(v_row + h * D, v_slot + h * D * elem, D, kv_bf16);
+            void *v_dst = v_slot + h * D * elem;
+            if (kv_bf16 == qkv_bf16) /* the same dtype: a plain copy */
+                memcpy(v_dst, (const char *)qkv + (v_at + h * D) * q_elem, (size_t)(D * elem));
+            else
+                store_row(load_row(qkv, v_at + h * D, D, qkv_bf16, x), v_dst, D, kv_bf16);
         }
     }
     return 0;
