@@ -92,30 +92,82 @@ ALWAYS_INLINE int64_t group_limit(const Tile *t, int64_t r)
     return seen;
 }
 
-/* One row's online-softmax step over a block's scores p (KB, masked in place): updates m, l,
-   rescales acc when the running max moved (after the first blocks it seldom does), leaves the
-   probabilities in p. */
-ALWAYS_INLINE void softmax_row(float *p, int64_t count, int64_t last, float *m, float *l,
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+ALWAYS_INLINE v16 select16(i16 mask, v16 a, v16 b) /* a where mask, else b */
+{
+    return (v16)(((i16)a & mask) | ((i16)b & ~mask));
+}
+
+ALWAYS_INLINE v16 max16(v16 a, v16 b) { return select16(a > b, a, b); }
+
+/* The lanes folded by halves: 8, 4, 2, 1 lanes apart. */
+ALWAYS_INLINE float hmax16(v16 x)
+{
+    x = max16(x, __builtin_shuffle(x, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+    x = max16(x, __builtin_shuffle(x, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+    x = max16(x, __builtin_shuffle(x, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+    x = max16(x, __builtin_shuffle(x, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+    return x[0];
+}
+
+ALWAYS_INLINE float hsum16(v16 x)
+{
+    x += __builtin_shuffle(x, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    x += __builtin_shuffle(x, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    x += __builtin_shuffle(x, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    x += __builtin_shuffle(x, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return x[0];
+}
+
+/* e^x for x <= 0, inline (a libm call per 16 scores cost as much as the scores): x = n ln2 + r,
+   |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial (relative error ~1e-7), 2^n added to the
+   exponent bits. Below -87 the result is ~1e-38 rather than 0: negligible next to e^0 = 1,
+   which the row's maximum contributes. */
+ALWAYS_INLINE v16 exp16(v16 x)
+{
+    x = max16(x, (v16){0} - 87.0f);
+    const i16 n = __builtin_convertvector(x * 1.44269504f - 0.5f, i16); /* round, for x <= 0 */
+    const v16 fn = __builtin_convertvector(n, v16);
+    const v16 r = x - fn * 0.693359375f + fn * 2.12194440e-4f; /* ln2 in two parts */
+    v16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return (v16)((i16)p + (n << 23));
+}
+
+/* One row's online-softmax step over a block's scores x (KB, in NV vectors): masks keys j >=
+   count or j > last, updates m and l, rescales acc when the running max moved (after the first
+   blocks it seldom does), leaves the probabilities in x. */
+#define NV (KB / 16)
+ALWAYS_INLINE void softmax_row(v16 x[NV], int64_t count, int64_t last, float *m, float *l,
                                float *acc, const int64_t D)
 {
-    for (int64_t j = 0; j < KB; j++) /* keys past the block or past the row's limit */
-        if (j >= count || j > last) p[j] = NO_SCORE;
-    float top = *m;
-    for (int64_t j = 0; j < KB; j++) top = p[j] > top ? p[j] : top;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < KB; j++) {
-        p[j] = expf(p[j] - top);
-        sum += p[j];
+    const int64_t end = last + 1 < count ? last + 1 : count; /* keys j < end are visible */
+    if (end < KB) {
+        const i16 lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        for (int c = 0; c < NV; c++)
+            x[c] = select16(lanes + 16 * c < (int32_t)end, x[c], (v16){0} + NO_SCORE);
+    }
+    v16 top16 = x[0];
+    for (int c = 1; c < NV; c++) top16 = max16(top16, x[c]);
+    const float block_top = hmax16(top16), top = block_top > *m ? block_top : *m;
+    v16 sum = {0};
+    for (int c = 0; c < NV; c++) {
+        x[c] = exp16(x[c] - top);
+        sum += x[c];
     }
     if (top > *m) { /* the running max moved: rescale what the earlier blocks gave */
-        const float alpha = expf(*m - top);
+        const float alpha = exp16((v16){0} + (*m - top))[0];
         *l *= alpha;
         *m = top;
 #pragma omp simd
         for (int64_t d = 0; d < D; d++) acc[d] *= alpha;
     }
-    *l += sum;
+    *l += hsum16(sum);
 }
 
 /* acc[:, c0 .. c0 + 16 * nc) += P V for R rows; the slab's accumulators stay in registers. */
@@ -143,7 +195,6 @@ ALWAYS_INLINE void block_rows(const float *qs, const float *kt, const float *vb,
                               int64_t key0, const int64_t *limit, float *acc, float *m, float *l,
                               const int64_t D)
 {
-    enum { NV = KB / 16 };
     v16 s[R][NV];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < NV; c++) s[r][c] = (v16){0};
@@ -157,8 +208,8 @@ ALWAYS_INLINE void block_rows(const float *qs, const float *kt, const float *vb,
     }
     float p[R][KB];
     for (int r = 0; r < R; r++) {
+        softmax_row(s[r], count, limit[r] - key0, m + r, l + r, acc + r * D, D);
         for (int c = 0; c < NV; c++) store16(p[r] + c * 16, s[r][c]);
-        softmax_row(p[r], count, limit[r] - key0, m + r, l + r, acc + r * D, D);
     }
     int64_t c0 = 0; /* acc (R, D) += P V, in column slabs of 64, then 16 */
     for (; c0 + 64 <= D; c0 += 64) pv_slab(acc, vb, p, count, c0, D, 4);
@@ -238,7 +289,6 @@ ALWAYS_INLINE void block_rows_bf16(const pair_t *qs, const pair_t *kt, const pai
                                    int64_t count, int64_t key0, const int64_t *limit, float *acc,
                                    float *m, float *l, const int64_t D, const float scale)
 {
-    enum { NV = KB / 16 };
     const int64_t half = D / 2;
     v16 s[R][NV];
     for (int r = 0; r < R; r++)
@@ -251,14 +301,13 @@ ALWAYS_INLINE void block_rows_bf16(const pair_t *qs, const pair_t *kt, const pai
             for (int c = 0; c < NV; c++) s[r][c] = dot_pairs(s[r][c], kd[c], qv);
         }
     }
-    float p[R][KB];
     pair_t pp[R][KB / 2];
     for (int r = 0; r < R; r++) {
-        for (int c = 0; c < NV; c++) store16(p[r] + c * 16, s[r][c] * scale);
-        softmax_row(p[r], count, limit[r] - key0, m + r, l + r, acc + r * D, D);
-        for (int c = 0; c < KB / 32; c++) { /* 32 probabilities -> 16 pairs, in key order */
-            const __m512bh packed = _mm512_cvtne2ps_pbh((__m512)load16(p[r] + 32 * c + 16),
-                                                        (__m512)load16(p[r] + 32 * c));
+        for (int c = 0; c < NV; c++) s[r][c] *= scale;
+        softmax_row(s[r], count, limit[r] - key0, m + r, l + r, acc + r * D, D);
+        for (int c = 0; c < NV / 2; c++) { /* 32 probabilities -> 16 pairs, in key order */
+            const __m512bh packed =
+                _mm512_cvtne2ps_pbh((__m512)s[r][2 * c + 1], (__m512)s[r][2 * c]);
             memcpy(pp[r] + 16 * c, &packed, sizeof packed);
         }
     }
