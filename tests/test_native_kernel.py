@@ -17,6 +17,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -315,3 +316,32 @@ def test_disabled_by_environment(monkeypatch) -> None:  # type: ignore[no-untype
     finally:
         monkeypatch.delenv("RADIXLM_NATIVE")
         native.kernels.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 8, 100])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_matches_pytorch(built, dtype, num_tokens: int, with_delta: bool) -> None:  # type: ignore[no-untyped-def]
+    """h += delta in place, then F.rms_norm(h) * weight; bfloat16 rounds h after the add (as
+    `h + delta` would) and the output once (PyTorch also computes its norm in float32)."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    h = (torch.randn(num_tokens, 96, generator=gen) * 4).to(dtype)
+    delta = torch.randn(num_tokens, 96, generator=gen).to(dtype) if with_delta else None
+    weight = torch.randn(96, generator=gen).to(dtype)
+    want_h = h + delta if delta is not None else h.clone()
+    want = F.rms_norm(want_h.float(), (96,), weight.float(), 1e-5)
+    got = built.add_rms_norm(h, delta, weight, 1e-5)
+    assert torch.equal(h, want_h) and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+
+
+def test_add_rms_norm_refuses_mixed_inputs() -> None:
+    kernels = require_native_kernels()
+    h, w = torch.zeros(2, 16), torch.ones(16)
+    with pytest.raises(ValueError, match="one dtype"):
+        kernels.add_rms_norm(h, torch.zeros(2, 16, dtype=torch.bfloat16), w, 1e-5)
+    with pytest.raises(ValueError, match="shapes"):
+        kernels.add_rms_norm(h, None, torch.ones(8), 1e-5)

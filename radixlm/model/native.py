@@ -4,6 +4,7 @@
     csrc/extend_attention.c   prefill: new tokens attend causally to their prefix and themselves
     csrc/flash_tile.h         the register-tiled flash attention loops both use
     csrc/rope_store.c         rope on q and k, and the K/V write into the pool, in one call
+    csrc/rms_norm.c           the residual add and the RMS norm after it, in one call
 
 Both read K/V where they lie in the pool (float32 or bfloat16), with no gather. Why C and not a
 PyTorch extension: two small files compile in a second or two with the system C compiler and
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("decode_attention.c", "extend_attention.c", "rope_store.c")
+    for name in ("decode_attention.c", "extend_attention.c", "rope_store.c", "rms_norm.c")
 ]
 HEADERS = [Path(__file__).parent / "csrc" / "flash_tile.h"]  # included by the sources
 KV_DTYPES = (torch.float32, torch.bfloat16)  # pool dtypes the kernels read
@@ -89,7 +90,10 @@ class Kernels:
         self._extend.argtypes = [*common, p, p, i32]
         self._rope_store = lib.rope_store
         self._rope_store.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, p, p, i32, i32, p, i32]
-        self._decode.restype = self._extend.restype = self._rope_store.restype = ctypes.c_int
+        self._add_rms_norm = lib.add_rms_norm
+        self._add_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32, i32]
+        for fn in (self._decode, self._extend, self._rope_store, self._add_rms_norm):
+            fn.restype = ctypes.c_int
         # True when the kernels do bfloat16 dot products (AVX512-BF16) for bfloat16 models
         self.bf16_dots = bool(lib.extend_bf16_dots())
 
@@ -111,6 +115,33 @@ class Kernels:
         bfloat16 queries over a bfloat16 pool use bfloat16 dot products where the CPU has them
         (`bf16_dots`): the probabilities are rounded to bfloat16 before P V."""
         return _attend(self._extend, q, k_cache, v_cache, layout.num_spans, layout.pointers)
+
+    def add_rms_norm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """h += delta (in place; none when delta is None), then return the RMS norm of h times
+        weight. h, delta (T, hidden) and weight (hidden,): contiguous, one dtype (float32 or
+        bfloat16); float32 arithmetic, a bfloat16 h rounded after the add."""
+        tensors = [h, weight] if delta is None else [h, delta, weight]
+        if any(t.dtype != h.dtype or not t.is_contiguous() for t in tensors):
+            raise ValueError("add_rms_norm takes contiguous tensors of one dtype")
+        if h.dtype not in KV_DTYPES or h.device.type != "cpu":
+            raise ValueError(f"add_rms_norm runs on float32 or bfloat16 CPU tensors: {h.dtype}")
+        if (
+            h.dim() != 2
+            or h.shape[1] != weight.shape[0]
+            or (delta is not None and delta.shape != h.shape)
+        ):
+            raise ValueError(f"shapes: h {tuple(h.shape)}, weight {tuple(weight.shape)}")
+        out = torch.empty_like(h)
+        status = self._add_rms_norm(
+            h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+            out.data_ptr(), h.shape[0], h.shape[1], eps, int(h.dtype == torch.bfloat16),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"add_rms_norm failed ({status})")
+        return out
 
     def rope_store(
         self,

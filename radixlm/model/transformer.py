@@ -7,13 +7,16 @@ one `gate_up_proj`, so a layer runs 4 matmuls instead of 7. The loader fills the
 
 Data flow of `CausalLM.forward(batch, pool)`, T new tokens of all requests back to back:
 
-  input_ids (T,) -> embed (T, hidden) -> [layer] x N -> norm of the logits rows -> lm_head
+  input_ids (T,) -> embed (T, hidden) -> [layer] x N -> final norm -> logits rows -> lm_head
   layer: h += o_proj(attend(rope(q), rope(k) -> pool, v -> pool)); h += down(silu(gate) * up)
+  (each residual add is done with the norm that follows it: RMSNorm.add_forward)
 
 The model holds no state between calls: K/V live in the pool, everything else in the batch.
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +82,17 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
+    def add_forward(
+        self, h: torch.Tensor, delta: torch.Tensor | None, kernels: native.Kernels | None
+    ) -> torch.Tensor:
+        """h += delta in place (the residual stream; no add when delta is None), then the norm
+        of h: one native call where the kernels are built, else PyTorch's ops."""
+        if kernels is not None and h.dtype in native.KV_DTYPES and h.device.type == "cpu":
+            return kernels.add_rms_norm(h, delta, self.weight, self.eps)
+        if delta is not None:
+            h += delta
+        return self(h)
+
 
 class Attention(nn.Module):
     def __init__(self, config: ArchConfig, dtype: torch.dtype):
@@ -142,14 +156,19 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
+        x: torch.Tensor,
         h: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         out_slots: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
         plan: AttentionPlan,
+        next_norm: RMSNorm,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, out_slots, kv, plan)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        """x = input_layernorm(h), already applied; h, the residual stream, is updated in
+        place. Returns next_norm(h): the next layer's input norm, or the final norm."""
+        attn = self.self_attn(x, rope, out_slots, kv, plan)
+        x = self.post_attention_layernorm.add_forward(h, attn, plan.kernels)
+        return next_norm.add_forward(h, self.mlp(x), plan.kernels)
 
 
 class Decoder(nn.Module):
@@ -203,10 +222,14 @@ class CausalLM(nn.Module):
         # the native rope_store computes in float32 whatever the model's dtype
         rope_dtype = torch.float32 if plan.kernels is not None and not c.qk_norm else h.dtype
         rope = rope_cos_sin(batch.positions, self.inv_freq, rope_dtype)
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, rope, batch.out_slots, (pool.k_cache(i), pool.v_cache(i)), plan)
-        h = self.model.norm(h.index_select(0, batch.logits_indices))  # (R, hidden)
-        return self.lm_head(h).float()  # (R, vocab)
+        layers = cast(list[DecoderLayer], list(self.model.layers))
+        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        x = layers[0].input_layernorm.add_forward(h, None, plan.kernels)
+        for i, (layer, next_norm) in enumerate(zip(layers, next_norms)):
+            kv = (pool.k_cache(i), pool.v_cache(i))
+            x = layer(x, h, rope, batch.out_slots, kv, plan, next_norm)
+        x = x.index_select(0, batch.logits_indices)  # (R, hidden), normed
+        return self.lm_head(x).float()  # (R, vocab)
 
     def _check_fits(self, batch: ForwardBatch, pool: KVPool) -> None:
         c = self.config

@@ -1,0 +1,72 @@
+/* The residual add and the RMS norm after it, in one pass per token:
+
+       h += delta                      (the residual stream; skipped when delta is NULL)
+       out = h / sqrt(mean(h^2) + eps) * weight
+
+   PyTorch's CPU rms_norm is a dozen small ops (pow, mean, rsqrt, two muls, and casts for
+   bfloat16), and the add before it one more: in a decode step of 8 tokens, 61 norms cost more
+   in dispatch than in arithmetic. Arithmetic is float32; a bfloat16 model's h is rounded to
+   bfloat16 after the add (as `h + delta` in bfloat16 would be) and its out once at the end.
+
+   Layouts (contiguous, all of one dtype: float32, or bfloat16 when `bf16`): h, delta, out
+   (T, H); weight (H,).
+*/
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float from_bf16(uint16_t x)
+{
+    const uint32_t bits = (uint32_t)x << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+static inline uint16_t to_bf16(float x)
+{
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16); /* round to nearest even */
+}
+
+static inline float get(const void *p, int64_t i, int bf16)
+{
+    return bf16 ? from_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void put(void *p, int64_t i, float x, int bf16)
+{
+    if (bf16) ((uint16_t *)p)[i] = to_bf16(x);
+    else ((float *)p)[i] = x;
+}
+
+/* One token's row: two passes over it (it stays in L1 between them). */
+static inline void norm_row(void *h, const void *delta, const void *weight, void *out,
+                            int64_t t, int64_t H, float eps, int bf16)
+{
+    float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < H; i++) {
+        float x = get(h, t * H + i, bf16);
+        if (delta != NULL) {
+            put(h, t * H + i, x + get(delta, t * H + i, bf16), bf16);
+            x = get(h, t * H + i, bf16); /* what the stream holds (bfloat16: rounded) */
+        }
+        squares += x * x;
+    }
+    const float inv = 1.0f / sqrtf(squares / (float)H + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < H; i++)
+        put(out, t * H + i, get(h, t * H + i, bf16) * inv * get(weight, i, bf16), bf16);
+}
+
+int add_rms_norm(void *h, const void *delta, const void *weight, void *out, int64_t num_tokens,
+                 int64_t hidden, float eps, int bf16, int num_threads)
+{
+    /* Threads only when there is enough work to pay for waking them (a prefill chunk). */
+#pragma omp parallel for num_threads(num_threads) if (num_tokens >= 64)
+    for (int64_t t = 0; t < num_tokens; t++)
+        norm_row(h, delta, weight, out, t, hidden, eps, bf16);
+    return 0;
+}
