@@ -139,35 +139,49 @@ ALWAYS_INLINE v16 exp16(v16 x)
     return (v16)((i16)p + (n << 23));
 }
 
-/* One row's online-softmax step over a block's scores x (KB, in NV vectors): masks keys j >=
-   count or j > last, updates m and l, rescales acc when the running max moved (after the first
-   blocks it seldom does), leaves the probabilities in x. */
+/* The online-softmax step of R rows over a block's scores x (R rows of KB, in NV vectors):
+   masks keys j >= count and, per row, j > limit[r] - key0; updates m and l; rescales a row's
+   acc when its running max moved (after the first blocks it seldom does); leaves the
+   probabilities in x. Stage by stage over the rows, so the rows' dependency chains (a max
+   tree, the exponentials, a sum tree) overlap instead of running one after another. */
 #define NV (KB / 16)
-ALWAYS_INLINE void softmax_row(v16 x[NV], int64_t count, int64_t last, float *m, float *l,
-                               float *acc, const int64_t D)
+ALWAYS_INLINE void softmax_rows(v16 x[R][NV], int64_t count, int64_t key0, const int64_t *limit,
+                                float *m, float *l, float *acc, const int64_t D)
 {
-    const int64_t end = last + 1 < count ? last + 1 : count; /* keys j < end are visible */
-    if (end < KB) {
-        const i16 lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-        for (int c = 0; c < NV; c++)
-            x[c] = select16(lanes + 16 * c < (int32_t)end, x[c], (v16){0} + NO_SCORE);
+    const i16 lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    float top[R];
+    for (int r = 0; r < R; r++) {
+        const int64_t last = limit[r] - key0;
+        const int64_t end = last + 1 < count ? last + 1 : count; /* keys j < end are visible */
+        if (end < KB)
+            for (int c = 0; c < NV; c++)
+                x[r][c] = select16(lanes + 16 * c < (int32_t)end, x[r][c], (v16){0} + NO_SCORE);
     }
-    v16 top16 = x[0];
-    for (int c = 1; c < NV; c++) top16 = max16(top16, x[c]);
-    const float block_top = hmax16(top16), top = block_top > *m ? block_top : *m;
-    v16 sum = {0};
-    for (int c = 0; c < NV; c++) {
-        x[c] = exp16(x[c] - top);
-        sum += x[c];
+    for (int r = 0; r < R; r++) {
+        v16 top16 = x[r][0];
+        for (int c = 1; c < NV; c++) top16 = max16(top16, x[r][c]);
+        const float block_top = hmax16(top16);
+        top[r] = block_top > m[r] ? block_top : m[r];
     }
-    if (top > *m) { /* the running max moved: rescale what the earlier blocks gave */
-        const float alpha = exp16((v16){0} + (*m - top))[0];
-        *l *= alpha;
-        *m = top;
+    v16 sum[R];
+    for (int r = 0; r < R; r++) {
+        sum[r] = (v16){0};
+        for (int c = 0; c < NV; c++) {
+            x[r][c] = exp16(x[r][c] - top[r]);
+            sum[r] += x[r][c];
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        if (top[r] > m[r]) { /* the running max moved: rescale what the earlier blocks gave */
+            const float alpha = exp16((v16){0} + (m[r] - top[r]))[0];
+            l[r] *= alpha;
+            m[r] = top[r];
+            float *a = acc + r * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; d++) acc[d] *= alpha;
+            for (int64_t d = 0; d < D; d++) a[d] *= alpha;
+        }
+        l[r] += hsum16(sum[r]);
     }
-    *l += hsum16(sum);
 }
 
 /* acc[:, c0 .. c0 + 16 * nc) += P V for R rows; the slab's accumulators stay in registers. */
@@ -206,11 +220,10 @@ ALWAYS_INLINE void block_rows(const float *qs, const float *kt, const float *vb,
             for (int c = 0; c < NV; c++) s[r][c] += qv * kd[c];
         }
     }
+    softmax_rows(s, count, key0, limit, m, l, acc, D);
     float p[R][KB];
-    for (int r = 0; r < R; r++) {
-        softmax_row(s[r], count, limit[r] - key0, m + r, l + r, acc + r * D, D);
+    for (int r = 0; r < R; r++)
         for (int c = 0; c < NV; c++) store16(p[r] + c * 16, s[r][c]);
-    }
     int64_t c0 = 0; /* acc (R, D) += P V, in column slabs of 64, then 16 */
     for (; c0 + 64 <= D; c0 += 64) pv_slab(acc, vb, p, count, c0, D, 4);
     for (; c0 < D; c0 += 16) pv_slab(acc, vb, p, count, c0, D, 1);
@@ -301,10 +314,11 @@ ALWAYS_INLINE void block_rows_bf16(const pair_t *qs, const pair_t *kt, const pai
             for (int c = 0; c < NV; c++) s[r][c] = dot_pairs(s[r][c], kd[c], qv);
         }
     }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NV; c++) s[r][c] *= scale;
+    softmax_rows(s, count, key0, limit, m, l, acc, D);
     pair_t pp[R][KB / 2];
     for (int r = 0; r < R; r++) {
-        for (int c = 0; c < NV; c++) s[r][c] *= scale;
-        softmax_row(s[r], count, limit[r] - key0, m + r, l + r, acc + r * D, D);
         for (int c = 0; c < NV / 2; c++) { /* 32 probabilities -> 16 pairs, in key order */
             const __m512bh packed =
                 _mm512_cvtne2ps_pbh((__m512)s[r][2 * c + 1], (__m512)s[r][2 * c]);
