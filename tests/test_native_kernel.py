@@ -345,3 +345,18 @@ def test_add_rms_norm_refuses_mixed_inputs() -> None:
         kernels.add_rms_norm(h, torch.zeros(2, 16, dtype=torch.bfloat16), w, 1e-5)
     with pytest.raises(ValueError, match="shapes"):
         kernels.add_rms_norm(h, None, torch.ones(8), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 8, 100])
+def test_silu_mul_matches_pytorch(built, dtype, num_tokens: int) -> None:  # type: ignore[no-untyped-def]
+    """silu(gate) * up from the stacked gate_up rows, float32 arithmetic, one rounding."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    gate_up = (torch.randn(num_tokens, 2 * 48, generator=gen) * 4).to(dtype)
+    gate, up = gate_up.float().split(48, dim=-1)
+    got = built.silu_mul(gate_up)
+    assert got.dtype == dtype and got.shape == (num_tokens, 48)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), F.silu(gate) * up, atol=tolerance, rtol=tolerance)
+    with pytest.raises(ValueError, match="contiguous"):
+        built.silu_mul(gate_up[:, :95])

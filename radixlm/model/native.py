@@ -4,7 +4,7 @@
     csrc/extend_attention.c   prefill: new tokens attend causally to their prefix and themselves
     csrc/flash_tile.h         the register-tiled flash attention loops both use
     csrc/rope_store.c         rope on q and k, and the K/V write into the pool, in one call
-    csrc/rms_norm.c           the residual add and the RMS norm after it, in one call
+    csrc/rms_norm.c           the residual add + RMS norm, and silu(gate) * up, one call each
 
 Both read K/V where they lie in the pool (float32 or bfloat16), with no gather. Why C and not a
 PyTorch extension: two small files compile in a second or two with the system C compiler and
@@ -92,7 +92,15 @@ class Kernels:
         self._rope_store.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, p, p, i32, i32, p, i32]
         self._add_rms_norm = lib.add_rms_norm
         self._add_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32, i32]
-        for fn in (self._decode, self._extend, self._rope_store, self._add_rms_norm):
+        self._silu_mul = lib.silu_mul
+        self._silu_mul.argtypes = [p, p, i64, i64, i32, i32]
+        for fn in (
+            self._decode,
+            self._extend,
+            self._rope_store,
+            self._add_rms_norm,
+            self._silu_mul,
+        ):
             fn.restype = ctypes.c_int
         # True when the kernels do bfloat16 dot products (AVX512-BF16) for bfloat16 models
         self.bf16_dots = bool(lib.extend_bf16_dots())
@@ -142,6 +150,23 @@ class Kernels:
         if status != 0:
             raise RuntimeError(f"add_rms_norm failed ({status})")
         return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up (T, 2 I), gate first -> (T, I), in gate_up's dtype
+        (float32 or bfloat16; float32 arithmetic)."""
+        if gate_up.dtype not in KV_DTYPES or gate_up.device.type != "cpu":
+            raise ValueError(f"silu_mul runs on float32 or bfloat16 CPU tensors: {gate_up.dtype}")
+        if gate_up.dim() != 2 or gate_up.shape[1] % 2 or not gate_up.is_contiguous():
+            raise ValueError(f"silu_mul takes contiguous (T, 2 I) rows: {tuple(gate_up.shape)}")
+        num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        act = gate_up.new_empty(num_tokens, inter)
+        status = self._silu_mul(
+            gate_up.data_ptr(), act.data_ptr(), num_tokens, inter,
+            int(gate_up.dtype == torch.bfloat16), torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"silu_mul failed ({status})")
+        return act
 
     def rope_store(
         self,

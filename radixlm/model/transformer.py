@@ -141,8 +141,11 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias, dtype)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.split_sizes, dim=-1)
+    def forward(self, x: torch.Tensor, kernels: native.Kernels | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if kernels is not None and gate_up.dtype in native.KV_DTYPES and gate_up.is_contiguous():
+            return self.down_proj(kernels.silu_mul(gate_up))  # one native call
+        gate, up = gate_up.split(self.split_sizes, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 
@@ -168,7 +171,7 @@ class DecoderLayer(nn.Module):
         place. Returns next_norm(h): the next layer's input norm, or the final norm."""
         attn = self.self_attn(x, rope, out_slots, kv, plan)
         x = self.post_attention_layernorm.add_forward(h, attn, plan.kernels)
-        return next_norm.add_forward(h, self.mlp(x), plan.kernels)
+        return next_norm.add_forward(h, self.mlp(x, plan.kernels), plan.kernels)
 
 
 class Decoder(nn.Module):

@@ -1,4 +1,6 @@
-/* The residual add and the RMS norm after it, in one pass per token:
+/* Two elementwise steps of the decoder layer that PyTorch runs as many small ops.
+
+   add_rms_norm: the residual add and the RMS norm after it, in one pass per token:
 
        h += delta                      (the residual stream; skipped when delta is NULL)
        out = h / sqrt(mean(h^2) + eps) * weight
@@ -8,8 +10,10 @@
    in dispatch than in arithmetic. Arithmetic is float32; a bfloat16 model's h is rounded to
    bfloat16 after the add (as `h + delta` in bfloat16 would be) and its out once at the end.
 
+   silu_mul: the MLP's activation, silu(gate) * up, from the stacked gate_up projection.
+
    Layouts (contiguous, all of one dtype: float32, or bfloat16 when `bf16`): h, delta, out
-   (T, H); weight (H,).
+   (T, H); weight (H,); gate_up (T, 2 I), gate first; act (T, I).
 */
 #include <math.h>
 #include <stdint.h>
@@ -68,5 +72,20 @@ int add_rms_norm(void *h, const void *delta, const void *weight, void *out, int6
 #pragma omp parallel for num_threads(num_threads) if (num_tokens >= 64)
     for (int64_t t = 0; t < num_tokens; t++)
         norm_row(h, delta, weight, out, t, hidden, eps, bf16);
+    return 0;
+}
+
+int silu_mul(const void *gate_up, void *act, int64_t num_tokens, int64_t inter, int bf16,
+             int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) if (num_tokens >= 16)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t gate = t * 2 * inter, up = gate + inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) {
+            const float x = get(gate_up, gate + i, bf16);
+            put(act, t * inter + i, x / (1.0f + expf(-x)) * get(gate_up, up + i, bf16), bf16);
+        }
+    }
     return 0;
 }
