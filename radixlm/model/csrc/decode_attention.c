@@ -158,11 +158,13 @@ ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int
                             const int64_t D, const int bf16, const int dots)
 {
     const int64_t first = b->units[u], num_members = b->units[u + 1] - first;
-    const int64_t group = b->group, n = num_members * group, rows = (n + R - 1) / R * R;
     const int64_t *run = b->shared + 2 * u;
+    const int64_t group = b->group, n = num_members * group;
+    const int64_t rows = run[1] > 0 ? (n + R - 1) / R * R : n; /* the tile's rows: whole groups */
+    const int64_t tile_words = run[1] > 0 ? rows * D / 2 + 2 * KB * D : 0;
     /* Scratch (4-byte words): qs (rows, D) pre-scaled, acc (rows, D), m, l (rows); for the
        shared run's tile: qp (rows, D/2) bfloat16 pairs, kt, vb (KB, D); limit (rows) int64. */
-    float *qs = calloc((size_t)(rows * (2 * D + 2) + rows * D / 2 + 2 * KB * D), sizeof(float));
+    float *qs = calloc((size_t)(rows * (2 * D + 2) + tile_words), sizeof(float));
     int64_t *limit = malloc((size_t)rows * sizeof(int64_t));
     if (qs == NULL || limit == NULL) abort(); /* a few KB; nothing sensible to do without it */
     float *acc = qs + rows * D, *m = acc + rows * D, *l = m + rows, *qp = l + rows;
@@ -175,7 +177,7 @@ ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int
         const float *qi = b->q + (row * b->num_heads + head * group + i % group) * D;
         for (int64_t d = 0; d < D; d++) qs[i * D + d] = qi[d] * b->scale;
 #if HAS_BF16_DOTS
-        if (dots)
+        if (dots && run[1] > 0) /* the tile's queries */
             for (int64_t d = 0; d < D / 2; d++)
                 ((pair_t *)qp)[i * (D / 2) + d] = bf16_bits(qi[2 * d]) | bf16_bits(qi[2 * d + 1])
                                                                               << 16;
