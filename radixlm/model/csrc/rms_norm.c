@@ -19,7 +19,9 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float from_bf16(uint16_t x)
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE float from_bf16(uint16_t x)
 {
     const uint32_t bits = (uint32_t)x << 16;
     float value;
@@ -27,26 +29,26 @@ static inline float from_bf16(uint16_t x)
     return value;
 }
 
-static inline uint16_t to_bf16(float x)
+ALWAYS_INLINE uint16_t to_bf16(float x)
 {
     uint32_t bits;
     memcpy(&bits, &x, sizeof bits);
     return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16); /* round to nearest even */
 }
 
-static inline float get(const void *p, int64_t i, int bf16)
+ALWAYS_INLINE float get(const void *p, int64_t i, int bf16)
 {
     return bf16 ? from_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-static inline void put(void *p, int64_t i, float x, int bf16)
+ALWAYS_INLINE void put(void *p, int64_t i, float x, int bf16)
 {
     if (bf16) ((uint16_t *)p)[i] = to_bf16(x);
     else ((float *)p)[i] = x;
 }
 
 /* One token's row: two passes over it (it stays in L1 between them). */
-static inline void norm_row(void *h, const void *delta, const void *weight, void *out,
+ALWAYS_INLINE void norm_row(void *h, const void *delta, const void *weight, void *out,
                             int64_t t, int64_t H, float eps, int bf16)
 {
     float squares = 0.0f;
@@ -68,11 +70,25 @@ static inline void norm_row(void *h, const void *delta, const void *weight, void
 int add_rms_norm(void *h, const void *delta, const void *weight, void *out, int64_t num_tokens,
                  int64_t hidden, float eps, int bf16, int num_threads)
 {
-    /* Threads only when there is enough work to pay for waking them (a prefill chunk). */
+    /* Threads only when there is enough work to pay for waking them (a prefill chunk). The
+       dtype goes in as a literal, so each loop compiles for one element type and vectorises. */
 #pragma omp parallel for num_threads(num_threads) if (num_tokens >= 64)
-    for (int64_t t = 0; t < num_tokens; t++)
-        norm_row(h, delta, weight, out, t, hidden, eps, bf16);
+    for (int64_t t = 0; t < num_tokens; t++) {
+        if (bf16) norm_row(h, delta, weight, out, t, hidden, eps, 1);
+        else norm_row(h, delta, weight, out, t, hidden, eps, 0);
+    }
     return 0;
+}
+
+ALWAYS_INLINE void silu_mul_row(const void *gate_up, void *act, int64_t t, int64_t inter,
+                                const int bf16)
+{
+    const int64_t gate = t * 2 * inter, up = gate + inter;
+#pragma omp simd
+    for (int64_t i = 0; i < inter; i++) {
+        const float x = get(gate_up, gate + i, bf16);
+        put(act, t * inter + i, x / (1.0f + expf(-x)) * get(gate_up, up + i, bf16), bf16);
+    }
 }
 
 int silu_mul(const void *gate_up, void *act, int64_t num_tokens, int64_t inter, int bf16,
@@ -80,12 +96,8 @@ int silu_mul(const void *gate_up, void *act, int64_t num_tokens, int64_t inter, 
 {
 #pragma omp parallel for num_threads(num_threads) if (num_tokens >= 16)
     for (int64_t t = 0; t < num_tokens; t++) {
-        const int64_t gate = t * 2 * inter, up = gate + inter;
-#pragma omp simd
-        for (int64_t i = 0; i < inter; i++) {
-            const float x = get(gate_up, gate + i, bf16);
-            put(act, t * inter + i, x / (1.0f + expf(-x)) * get(gate_up, up + i, bf16), bf16);
-        }
+        if (bf16) silu_mul_row(gate_up, act, t, inter, 1);
+        else silu_mul_row(gate_up, act, t, inter, 0);
     }
     return 0;
 }
