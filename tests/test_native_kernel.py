@@ -360,3 +360,47 @@ def test_silu_mul_matches_pytorch(built, dtype, num_tokens: int) -> None:  # typ
     torch.testing.assert_close(got.float(), F.silu(gate) * up, atol=tolerance, rtol=tolerance)
     with pytest.raises(ValueError, match="contiguous"):
         built.silu_mul(gate_up[:, :95])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, native.SKINNY_MAX_ROWS),
+    blocks=st.integers(1, 5),
+    half_k=st.integers(1, 80),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_skinny_linear_matches_f_linear(built, rows, blocks, half_k, dtype, threads, seed) -> None:  # type: ignore[no-untyped-def]
+    """x W^T for decode-sized batches from the packed weight: float32 to float32 rounding;
+    bfloat16 to one rounding of the float32 result (AVX512-BF16 dot products or widened pairs)."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(16 * blocks, 2 * half_k, generator=gen).to(dtype)
+    x = torch.randn(rows, 2 * half_k, generator=gen).to(dtype)
+    packed = native.pack_skinny(weight)
+    assert packed is not None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = built.skinny_linear(x, packed)
+    finally:
+        torch.set_num_threads(before)
+    want = F.linear(x.double(), weight.double())
+    assert got.dtype == dtype and got.shape == (rows, 16 * blocks)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+    else:
+        torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=8e-3)
+
+
+def test_skinny_linear_refuses_what_it_cannot_do() -> None:
+    kernels = require_native_kernels()
+    assert native.pack_skinny(torch.zeros(24, 8)) is None  # out not a multiple of 16
+    assert native.pack_skinny(torch.zeros(16, 7)) is None  # in odd
+    assert native.pack_skinny(torch.zeros(16, 8, dtype=torch.float16)) is None
+    packed = native.pack_skinny(torch.zeros(16, 8))
+    assert packed is not None
+    with pytest.raises(ValueError, match="skinny_linear"):
+        kernels.skinny_linear(torch.zeros(native.SKINNY_MAX_ROWS + 1, 8), packed)
+    with pytest.raises(ValueError, match="dtype"):
+        kernels.skinny_linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed)

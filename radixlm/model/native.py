@@ -5,6 +5,7 @@
     csrc/flash_tile.h         the register-tiled flash attention loops both use
     csrc/rope_store.c         rope on q and k, and the K/V write into the pool, in one call
     csrc/rms_norm.c           the residual add + RMS norm, and silu(gate) * up, one call each
+    csrc/skinny_linear.c      linear layers for decode-sized batches (<= 16 rows), streaming W
 
 Both read K/V where they lie in the pool (float32 or bfloat16), with no gather. Why C and not a
 PyTorch extension: two small files compile in a second or two with the system C compiler and
@@ -42,11 +43,18 @@ log = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("decode_attention.c", "extend_attention.c", "rope_store.c", "rms_norm.c")
+    for name in (
+        "decode_attention.c",
+        "extend_attention.c",
+        "rope_store.c",
+        "rms_norm.c",
+        "skinny_linear.c",
+    )
 ]
 HEADERS = [Path(__file__).parent / "csrc" / "flash_tile.h"]  # included by the sources
 KV_DTYPES = (torch.float32, torch.bfloat16)  # pool dtypes the kernels read
 MAX_HEAD_DIM = 256  # head_dim: a multiple of 16 (whole vector registers), at most this
+SKINNY_MAX_ROWS = 16  # the skinny linear kernel's batch: decode steps of up to this many tokens
 FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]  # and -march
 
 
@@ -94,12 +102,15 @@ class Kernels:
         self._add_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32, i32]
         self._silu_mul = lib.silu_mul
         self._silu_mul.argtypes = [p, p, i64, i64, i32, i32]
+        self._skinny = lib.skinny_linear
+        self._skinny.argtypes = [p, p, p, i64, i64, i64, i32, i32]
         for fn in (
             self._decode,
             self._extend,
             self._rope_store,
             self._add_rms_norm,
             self._silu_mul,
+            self._skinny,
         ):
             fn.restype = ctypes.c_int
         # True when the kernels do bfloat16 dot products (AVX512-BF16) for bfloat16 models
@@ -150,6 +161,24 @@ class Kernels:
         if status != 0:
             raise RuntimeError(f"add_rms_norm failed ({status})")
         return out
+
+    def skinny_linear(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """x (M, K) @ W^T for M <= SKINNY_MAX_ROWS, W packed by `pack_skinny` -> (M, N) in x's
+        dtype (float32 accumulation)."""
+        num_rows, k = x.shape
+        n = packed.shape[0] * 16
+        if x.dtype != packed.dtype or not x.is_contiguous() or x.device.type != "cpu":
+            raise ValueError("skinny_linear takes contiguous CPU rows of the packed weight's dtype")
+        if not 1 <= num_rows <= SKINNY_MAX_ROWS or packed.numel() != n * k:
+            raise ValueError(f"skinny_linear: x {tuple(x.shape)} against a packed ({n}, ?) weight")
+        y = x.new_empty(num_rows, n)
+        status = self._skinny(
+            x.data_ptr(), packed.data_ptr(), y.data_ptr(), num_rows, n, k,
+            int(x.dtype == torch.bfloat16), torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"skinny_linear failed ({status})")
+        return y
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for gate_up (T, 2 I), gate first -> (T, I), in gate_up's dtype
@@ -219,6 +248,19 @@ class ExtendLayout:
         self.spans = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
         self.slots = torch.cat([s for *_, s in spans]).to(torch.int64).cpu()
         self.pointers = (self.spans.data_ptr(), self.slots.data_ptr())  # alive with the tensors
+
+
+def pack_skinny(weight: torch.Tensor) -> torch.Tensor | None:
+    """A dense (out, in) weight in skinny_linear's layout: blocks of 16 output columns, k-major
+    inside (float32 (out/16, in, 16); bfloat16 (out/16, in/2, 16, 2)). None where the kernel
+    does not apply: another dtype or device, out not a multiple of 16, in odd."""
+    n, k = weight.shape
+    if weight.dtype not in KV_DTYPES or weight.device.type != "cpu" or n % 16 or k % 2:
+        return None
+    w = weight.detach()
+    if w.dtype == torch.float32:
+        return w.reshape(n // 16, 16, k).transpose(1, 2).contiguous()
+    return w.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def _attend(
