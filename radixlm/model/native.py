@@ -51,7 +51,7 @@ SOURCES = [
         "skinny_linear.c",
     )
 ]
-HEADERS = [Path(__file__).parent / "csrc" / "flash_tile.h"]  # included by the sources
+HEADERS = [Path(__file__).parent / "csrc" / h for h in ("flash_tile.h", "bf16.h")]  # included
 KV_DTYPES = (torch.float32, torch.bfloat16)  # pool dtypes the kernels read
 MAX_HEAD_DIM = 256  # head_dim: a multiple of 16 (whole vector registers), at most this
 SKINNY_MAX_ROWS = 16  # the skinny linear kernel's batch: decode steps of up to this many tokens

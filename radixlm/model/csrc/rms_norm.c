@@ -19,31 +19,18 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-ALWAYS_INLINE float from_bf16(uint16_t x)
-{
-    const uint32_t bits = (uint32_t)x << 16;
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
-
-ALWAYS_INLINE uint16_t to_bf16(float x)
-{
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16); /* round to nearest even */
-}
 
 ALWAYS_INLINE float get(const void *p, int64_t i, int bf16)
 {
-    return bf16 ? from_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 ALWAYS_INLINE void put(void *p, int64_t i, float x, int bf16)
 {
-    if (bf16) ((uint16_t *)p)[i] = to_bf16(x);
+    if (bf16) ((uint16_t *)p)[i] = float_to_bf16(x);
     else ((float *)p)[i] = x;
 }
 

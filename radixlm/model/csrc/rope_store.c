@@ -17,12 +17,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline uint16_t to_bf16(float x)
-{
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16); /* round to nearest even */
-}
+#include "bf16.h"
 
 /* out[d] = rope(x)[d] for one head of one token. */
 static inline void rotate(const float *x, const float *cos, const float *sin, float *out,
@@ -43,7 +38,7 @@ static inline void store_row(const float *row, void *dst, int64_t D, int bf16)
         return;
     }
     uint16_t *out = (uint16_t *)dst;
-    for (int64_t d = 0; d < D; d++) out[d] = to_bf16(row[d]);
+    for (int64_t d = 0; d < D; d++) out[d] = float_to_bf16(row[d]);
 }
 
 /* D elements of a float32 or bfloat16 row, as float32 in out. */
@@ -51,10 +46,7 @@ static inline const float *load_row(const void *src, int64_t at, int64_t D, int 
 {
     if (!bf16) return (const float *)src + at;
     const uint16_t *in = (const uint16_t *)src + at;
-    for (int64_t d = 0; d < D; d++) {
-        const uint32_t bits = (uint32_t)in[d] << 16;
-        memcpy(out + d, &bits, sizeof bits);
-    }
+    for (int64_t d = 0; d < D; d++) out[d] = bf16_to_float(in[d]);
     return out;
 }
 

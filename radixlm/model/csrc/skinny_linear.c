@@ -19,27 +19,14 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
+
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define MAX_ROWS 16
 #define AHEAD 4096 /* bytes of the weight stream requested ahead of use */
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint32_t u16x32 __attribute__((vector_size(64))); /* 16 lanes of bfloat16 pairs */
-
-ALWAYS_INLINE float bf16_to_float(uint16_t x)
-{
-    const uint32_t bits = (uint32_t)x << 16;
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
-
-ALWAYS_INLINE uint16_t float_to_bf16(float x)
-{
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16); /* round to nearest even */
-}
 
 /* Row m's 16 results of block b into y. */
 ALWAYS_INLINE void store_block(void *y, const v16 *acc, int64_t N, int64_t b, int rows, int bf16)
