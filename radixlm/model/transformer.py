@@ -203,9 +203,9 @@ class Decoder(nn.Module):
 class CausalLM(nn.Module):
     """Decoder + LM head. `forward(batch, pool)` -> (R, vocab) float32 logits of batch rows.
 
-    `native_kernels`: attend with the native kernels (native.py) where they apply (a float32
-    or bfloat16 pool on CPU) and could be built; False keeps every step on PyTorch attention
-    (for comparisons)."""
+    `native_kernels`: use the native kernels (native.py) where they apply (a float32 or
+    bfloat16 pool on CPU) and could be built: attention, rope + K/V store, add + norm, SiLU, and
+    decode-sized matmuls; False keeps every step on PyTorch ops and oneDNN (for comparisons)."""
 
     inv_freq: torch.Tensor  # (head_dim / 2,) rope frequencies, a buffer
     _native_kernels: bool = True
