@@ -203,3 +203,10 @@ def test_bench_offline_end_to_end(tmp_path: Path) -> None:
         steps = mode["prefill_steps_s"] + mode["decode_steps_s"]
         assert 0 < steps <= mode["duration_s"]
         assert mode["prefill_steps_s"] > 0 and mode["decode_steps_s"] > 0
+    # two in flight at a time, in workload order (as a served run sees them): all finish, and
+    # the tree still computes only the ideal prefill
+    assert main([*args, "--cache", "radix", "--in-flight", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["in_flight"] == 2
+    assert result["modes"]["radix"]["requests"] == 6
+    assert result["modes"]["radix"]["prefill_tokens"] == 2 * 48 + 6 * 8

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import deque
 from typing import Any, cast
 
 from radixlm.bench.workloads import add_workload_arguments, workload_from_args, workload_params
@@ -31,6 +32,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
     parser.add_argument("--chunk-size", type=int, default=1024)
     parser.add_argument("--policy", choices=["lpm", "fcfs"], default="lpm")
+    parser.add_argument(
+        "--in-flight",
+        type=int,
+        default=None,
+        metavar="N",
+        help="submit at most N requests at a time, in workload order, the next when one finishes "
+        "(as `bench serve --concurrency N` does); default: all at once",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (all cores)")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--plot", default=None, help="draw the comparison into this PNG")
@@ -38,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.in_flight is not None and args.in_flight < 1:
+        raise SystemExit(f"--in-flight must be at least 1, got {args.in_flight}")
     from radixlm.bench.report import plot_offline, print_offline
 
     modes = ["radix", "none"] if args.cache == "both" else [args.cache]
@@ -47,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "threads": args.threads,
         "dtype": args.dtype,
+        "in_flight": args.in_flight,
         "model": args.model or "default (SmolLM2-135M-Instruct Q4_1)",
         "modes": {},
     }
@@ -95,11 +107,16 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
 
     done: list[Request] = []
     step_s = {"prefill": 0.0, "decode": 0.0}  # time in steps that prefilled / only decoded
+    pending = deque(progress.roots)  # dispatchable, in workload order
+
+    def refill() -> None:
+        while pending and (args.in_flight is None or len(live) < args.in_flight):
+            submit(pending.popleft())
+
     start = time.perf_counter()
     with Progress(transient=True) as bar:
         task = bar.add_task(f"{workload.name} / {mode}", total=len(workload.requests))
-        for index in progress.roots:
-            submit(index)
+        refill()
         while engine.has_unfinished():
             prefilled, step_start = engine.stats.prefill_tokens, time.perf_counter()
             deltas = engine.step()
@@ -111,8 +128,8 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
                 index, req = live.pop(delta.request_id)
                 done.append(req)
                 bar.advance(task)
-                for child in progress.finish(index, req.output_ids):
-                    submit(child)
+                pending.extend(progress.finish(index, req.output_ids))
+            refill()
     elapsed = time.perf_counter() - start
     engine.cache.check_integrity()
     summary = _summary(engine, base, done, elapsed, ideal_prefill_tokens(progress.completed()))
