@@ -172,8 +172,10 @@ ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int
     float *qs = calloc((size_t)(rows * (2 * D + 2) + tile_words), sizeof(float));
     int64_t *limit = malloc((size_t)rows * sizeof(int64_t));
     if (qs == NULL || limit == NULL) abort(); /* a few KB; nothing sensible to do without it */
-    float *acc = qs + rows * D, *m = acc + rows * D, *l = m + rows, *qp = l + rows;
-    float *kt = qp + rows * D / 2, *vb = kt + KB * D;
+    float *acc = qs + rows * D, *m = acc + rows * D, *l = m + rows;
+    /* the tile's scratch exists only for a unit with a shared run */
+    float *qp = tile_words ? l + rows : NULL, *kt = tile_words ? qp + rows * D / 2 : NULL;
+    float *vb = tile_words ? kt + KB * D : NULL;
     for (int64_t i = 0; i < rows; i++) {
         m[i] = NO_SCORE;
         limit[i] = i < n ? run[1] - 1 : -1; /* the whole run; padding rows see nothing */
