@@ -9,7 +9,7 @@
        for each group of R rows that can see some key of the block:
            S (R, KB) = Q K^T        R x KB/16 accumulators, one broadcast-FMA per (row, d, 16 keys)
            mask keys past each row's limit; online softmax
-           acc (R, D) = acc * alpha + P V       R x D/16 accumulators
+           acc (R, D) = acc * alpha + P V       in slabs of 32 columns: R x 2 accumulators
 
    Vectors are GCC vector extensions of 16 floats: AVX-512 registers where the CPU has them,
    pairs of AVX2 registers where not (compiled with -march=native on the machine that runs it).
@@ -28,7 +28,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -94,12 +94,25 @@ ALWAYS_INLINE int64_t group_limit(const Tile *t, int64_t r)
 
 typedef int32_t i16 __attribute__((vector_size(64)));
 
+#if defined(__AVX512F__)
+/* One instruction each where the CPU has AVX-512 (the generic forms compile to three). */
+ALWAYS_INLINE v16 max16(v16 a, v16 b) { return (v16)_mm512_max_ps((__m512)a, (__m512)b); }
+ALWAYS_INLINE v16 where_below(i16 lanes, int32_t end, v16 a, v16 b) /* a where lane < end */
+{
+    const __mmask16 k = _mm512_cmplt_epi32_mask((__m512i)lanes, _mm512_set1_epi32(end));
+    return (v16)_mm512_mask_blend_ps(k, (__m512)b, (__m512)a);
+}
+#else
 ALWAYS_INLINE v16 select16(i16 mask, v16 a, v16 b) /* a where mask, else b */
 {
     return (v16)(((i16)a & mask) | ((i16)b & ~mask));
 }
-
 ALWAYS_INLINE v16 max16(v16 a, v16 b) { return select16(a > b, a, b); }
+ALWAYS_INLINE v16 where_below(i16 lanes, int32_t end, v16 a, v16 b) /* a where lane < end */
+{
+    return select16(lanes < end, a, b);
+}
+#endif
 
 /* The lanes folded by halves: 8, 4, 2, 1 lanes apart. */
 ALWAYS_INLINE float hmax16(v16 x)
@@ -155,7 +168,7 @@ ALWAYS_INLINE void softmax_rows(v16 x[R][NV], int64_t count, int64_t key0, const
         const int64_t end = last + 1 < count ? last + 1 : count; /* keys j < end are visible */
         if (end < KB)
             for (int c = 0; c < NV; c++)
-                x[r][c] = select16(lanes + 16 * c < (int32_t)end, x[r][c], (v16){0} + NO_SCORE);
+                x[r][c] = where_below(lanes + 16 * c, (int32_t)end, x[r][c], (v16){0} + NO_SCORE);
     }
     for (int r = 0; r < R; r++) {
         v16 top16 = x[r][0];
@@ -188,11 +201,11 @@ ALWAYS_INLINE void softmax_rows(v16 x[R][NV], int64_t count, int64_t key0, const
 ALWAYS_INLINE void pv_slab(float *acc, const float *vb, float p[R][KB], int64_t count,
                            int64_t c0, const int64_t D, const int nc)
 {
-    v16 a[R][4];
+    v16 a[R][2];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < nc; c++) a[r][c] = load16(acc + r * D + c0 + c * 16);
     for (int64_t j = 0; j < count; j++) {
-        v16 vj[4];
+        v16 vj[2];
         for (int c = 0; c < nc; c++) vj[c] = load16(vb + j * D + c0 + c * 16);
         for (int r = 0; r < R; r++) {
             const float pj = p[r][j];
@@ -224,8 +237,10 @@ ALWAYS_INLINE void block_rows(const float *qs, const float *kt, const float *vb,
     float p[R][KB];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < NV; c++) store16(p[r] + c * 16, s[r][c]);
-    int64_t c0 = 0; /* acc (R, D) += P V, in column slabs of 64, then 16 */
-    for (; c0 + 64 <= D; c0 += 64) pv_slab(acc, vb, p, count, c0, D, 4);
+    /* acc (R, D) += P V in column slabs of 32, then 16: R x 2 accumulators and the V vectors
+       fit in the 32 vector registers (slabs of 64 spilled to the stack: 5-8% slower) */
+    int64_t c0 = 0;
+    for (; c0 + 32 <= D; c0 += 32) pv_slab(acc, vb, p, count, c0, D, 2);
     for (; c0 < D; c0 += 16) pv_slab(acc, vb, p, count, c0, D, 1);
 }
 
@@ -284,11 +299,11 @@ ALWAYS_INLINE uint32_t bf16_bits(float x)
 ALWAYS_INLINE void pv_slab_bf16(float *acc, const pair_t *vb, pair_t p[R][KB / 2],
                                 int64_t pairs, int64_t c0, const int64_t D, const int nc)
 {
-    v16 a[R][4];
+    v16 a[R][2];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < nc; c++) a[r][c] = load16(acc + r * D + c0 + c * 16);
     for (int64_t j = 0; j < pairs; j++) {
-        __m512i vj[4];
+        __m512i vj[2];
         for (int c = 0; c < nc; c++) vj[c] = load_pairs(vb + j * D + c0 + c * 16);
         for (int r = 0; r < R; r++)
             for (int c = 0; c < nc; c++) a[r][c] = dot_pairs(a[r][c], vj[c], p[r][j]);
@@ -327,7 +342,7 @@ ALWAYS_INLINE void block_rows_bf16(const pair_t *qs, const pair_t *kt, const pai
     }
     const int64_t pairs = (count + 1) / 2;
     int64_t c0 = 0;
-    for (; c0 + 64 <= D; c0 += 64) pv_slab_bf16(acc, vb, pp, pairs, c0, D, 4);
+    for (; c0 + 32 <= D; c0 += 32) pv_slab_bf16(acc, vb, pp, pairs, c0, D, 2);
     for (; c0 < D; c0 += 16) pv_slab_bf16(acc, vb, pp, pairs, c0, D, 1);
 }
 
