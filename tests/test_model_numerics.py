@@ -15,7 +15,7 @@ import torch
 from test_native_kernel import require_native_kernels
 
 from radixlm.cache.kv_pool import KVPool
-from radixlm.model import shared_prefix
+from radixlm.model import native, shared_prefix
 from radixlm.model.forward_batch import ForwardBatch, ForwardMode
 from radixlm.model.loader import load_causal_lm
 from radixlm.model.shared_prefix import find_shared_prefixes
@@ -195,6 +195,53 @@ def test_bfloat16_kv_decodes_sharing_a_prefix(
     rows, _ = session.forward([[s[-1]] for s in seqs], slots[:3], all_logits=False)
     for got, s in zip(rows, seqs):  # a pure decode step
         assert (got - reference_logits(tiny.reference, s)[-1]).abs().max() < 0.5
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32-kv", "bf16-kv"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_step_equals_the_layer_loop(
+    tiny_hf_model, dtype: str, kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A pure decode step through FusedDecode (the layer loop in one native call) gives the same
+    bits as the Python loop over the same kernels: logits and the K/V it writes, with requests
+    on a shared run and one alone, over several steps."""
+    require_native_kernels()
+    model = load_causal_lm(str(tiny_hf_model("llama-gqa-llama3rope").path), dtype=dtype)
+    assert model.fused_decode() is not None
+    calls = []
+    real = native.Kernels.decode_layers
+    monkeypatch.setattr(
+        native.Kernels, "decode_layers", lambda self, *a: calls.append(1) or real(self, *a)
+    )
+    runs = []
+    for fuse in (True, False):
+        model.fuse_decode = fuse
+        calls.clear()
+        session = Session(model, seed=5, kv_dtype=kv_dtype)
+        shared = session.prefill(random_ids(40, seed=80))
+        tails = [random_ids(3 + i, seed=81 + i) for i in range(3)]
+        _, slots = session.forward(tails, [shared] * 3, all_logits=False)
+        slots = [*slots, session.prefill(random_ids(30, seed=90))]
+        steps = []
+        for step in range(3):
+            rows, slots = session.forward([[7 + step + i] for i in range(4)], slots, False)
+            steps.append(rows)
+        pool = session.pool
+        kv = [torch.stack([pool.k_cache(i), pool.v_cache(i)]) for i in range(pool.num_layers)]
+        runs.append((torch.stack(steps), torch.stack(kv), len(calls)))
+    (fused_logits, fused_kv, fused_calls), (loop_logits, loop_kv, loop_calls) = runs
+    assert (fused_calls, loop_calls) == (3, 0)  # the paths compared are the ones meant
+    assert torch.equal(fused_logits, loop_logits)
+    assert torch.equal(fused_kv, loop_kv)
+
+
+@pytest.mark.parametrize("variant", ["llama-mha-tied-bias", "qwen3-gqa-qknorm"])
+def test_fused_decode_is_not_used_where_it_does_not_apply(tiny_hf_model, variant: str) -> None:  # type: ignore[no-untyped-def]
+    """Biases and q/k norms are not in the native layer loop: those models keep the Python one
+    (whose decode steps the reference tests above check)."""
+    require_native_kernels()
+    model = load_causal_lm(str(tiny_hf_model(variant).path))
+    assert model.fused_decode() is None
 
 
 def test_shared_runs_are_found_from_slot_ids() -> None:

@@ -6,9 +6,10 @@
     csrc/rope_store.c         rope on q and k, and the K/V write into the pool, in one call
     csrc/rms_norm.c           the residual add + RMS norm, and silu(gate) * up, one call each
     csrc/skinny_linear.c      linear layers for decode-sized batches (<= 16 rows), streaming W
+    csrc/decode_step.c        a decode step through all the decoder layers, calling the above
 
 Both read K/V where they lie in the pool (float32 or bfloat16), with no gather. Why C and not a
-PyTorch extension: two small files compile in a second or two with the system C compiler and
+PyTorch extension: a few small files compile in seconds with the system C compiler and
 need neither PyTorch's headers nor ninja. Why compile here and not ship a binary:
 `-march=native` picks this CPU's vector units (AVX2 or AVX-512), which the hot loops depend on.
 
@@ -34,6 +35,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,7 @@ SOURCES = [
         "rope_store.c",
         "rms_norm.c",
         "skinny_linear.c",
+        "decode_step.c",
     )
 ]
 HEADERS = [Path(__file__).parent / "csrc" / h for h in ("flash_tile.h", "bf16.h")]  # included
@@ -104,6 +107,10 @@ class Kernels:
         self._silu_mul.argtypes = [p, p, i64, i64, i32, i32]
         self._skinny = lib.skinny_linear
         self._skinny.argtypes = [p, p, p, i64, i64, i64, i32, i32]
+        self._decode_layers = lib.decode_layers
+        model: list[Any] = [p, p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, i32, i32, f32]
+        step: list[Any] = [p, p, p, i64, p, p, p, p, p, i32]  # rope, out_slots, layout, threads
+        self._decode_layers.argtypes = [*model, *step]
         for fn in (
             self._decode,
             self._extend,
@@ -111,6 +118,7 @@ class Kernels:
             self._add_rms_norm,
             self._silu_mul,
             self._skinny,
+            self._decode_layers,
         ):
             fn.restype = ctypes.c_int
         # True when the kernels do bfloat16 dot products (AVX512-BF16) for bfloat16 models
@@ -180,6 +188,45 @@ class Kernels:
             raise RuntimeError(f"skinny_linear failed ({status})")
         return y
 
+    def decode_layers(
+        self,
+        h: torch.Tensor,
+        layers: torch.Tensor,
+        final_norm: torch.Tensor,
+        shape: DecoderShape,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        out_slots: torch.Tensor,
+        kv_dtype: torch.dtype,
+        layout: DecodeLayout,
+    ) -> torch.Tensor:
+        """A decode step through every decoder layer (csrc/decode_step.c): h (B, hidden), the
+        embeddings, becomes the residual stream after the last layer (in place); returns the
+        final norm of it. `layers` (num_layers, 8) int64 holds each layer's addresses (input
+        norm, packed Wqkv, packed Wo, post-attention norm, packed Wgate_up, packed Wdown, K and
+        V pool tensors); rope as rope_store takes it; one token per request of `layout`."""
+        num_rows = h.shape[0]
+        if h.dtype not in KV_DTYPES or not h.is_contiguous() or kv_dtype not in KV_DTYPES:
+            raise ValueError("decode_layers runs float32 or bfloat16 models and pools")
+        if not 1 <= num_rows <= SKINNY_MAX_ROWS or layers.shape != (shape.num_layers, 8):
+            raise ValueError(f"decode_layers: {num_rows} rows, a ({tuple(layers.shape)}) table")
+        if layout.member_row.numel() != num_rows:
+            raise ValueError("decode_layers: the layout's requests are not h's rows")
+        cos, sin = (t.contiguous() for t in rope)
+        slots = out_slots.to(torch.int64).contiguous()
+        bf16 = h.dtype == torch.bfloat16
+        kv_mode = int(kv_dtype == torch.bfloat16) * (2 if bf16 else 1)
+        x = torch.empty_like(h)
+        status = self._decode_layers(
+            h.data_ptr(), x.data_ptr(), layers.data_ptr(), final_norm.data_ptr(),
+            shape.num_layers, num_rows, shape.hidden, shape.num_heads, shape.num_kv_heads,
+            shape.head_dim, shape.intermediate, shape.eps, int(bf16), kv_mode,
+            shape.head_dim**-0.5, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+            layout.num_units, *layout.pointers, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"decode_layers failed ({status})")
+        return x
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for gate_up (T, 2 I), gate first -> (T, I), in gate_up's dtype
         (float32 or bfloat16; float32 arithmetic)."""
@@ -231,6 +278,19 @@ class Kernels:
         if status != 0:
             raise RuntimeError(f"rope_store failed ({status})")
         return q
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """What decode_layers needs to know of the model besides its weights."""
+
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
 
 
 class ExtendLayout:

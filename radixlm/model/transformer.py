@@ -200,15 +200,80 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
+class FusedDecode:
+    """A pure decode step's layer loop as one native call (csrc/decode_step.c): the same kernels
+    in the same order as the Python loop, so the same bits, without ~270 calls' worth of module,
+    ctypes and tensor glue per step. Built for models it can run: no biases or q/k norms, and
+    every projection packed for the skinny kernel in the model's dtype."""
+
+    def __init__(self, model: CausalLM, kernels: native.Kernels):
+        c = model.config
+        self.kernels = kernels
+        self.dtype = model.model.embed_tokens.weight.dtype
+        self.shape = native.DecoderShape(
+            c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+            c.intermediate_size, c.rms_norm_eps,
+        )  # fmt: skip
+        self.final_norm = model.model.norm.weight
+        self.weights: list[list[int]] = []  # per layer, the 6 weight addresses
+        for layer in cast(list[DecoderLayer], list(model.model.layers)):
+            a, mlp = layer.self_attn, layer.mlp
+            packed = [p.skinny for p in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            assert all(w is not None for w in packed)  # see `applies`
+            qkv, o, gate_up, down = cast(list[torch.Tensor], packed)
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            order = (norms[0], qkv, o, norms[1], gate_up, down)  # decode_step.c's columns
+            self.weights.append([t.data_ptr() for t in order])
+        self._table: tuple[int, torch.Tensor] | None = None  # (pool's first K address, table)
+
+    @staticmethod
+    def applies(model: CausalLM) -> bool:
+        c = model.config
+        dtype = model.model.embed_tokens.weight.dtype
+        if c.qk_norm or c.qkv_bias or c.o_bias or c.mlp_bias or dtype not in native.KV_DTYPES:
+            return False
+        for layer in cast(list[DecoderLayer], list(model.model.layers)):
+            a, mlp = layer.self_attn, layer.mlp
+            for linear in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                if linear.skinny is None or linear.skinny.dtype != dtype:
+                    return False
+        return True
+
+    def run(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        out_slots: torch.Tensor,
+        layout: native.DecodeLayout,
+        pool: KVPool,
+    ) -> torch.Tensor:
+        """h (B, hidden) embeddings -> the final norm's output (B, hidden); h ends as the
+        residual stream, as after the Python loop."""
+        first = pool.k_cache(0).data_ptr()
+        if self._table is None or self._table[0] != first:  # a pool's tensors never move
+            rows = [
+                [*w, pool.k_cache(i).data_ptr(), pool.v_cache(i).data_ptr()]
+                for i, w in enumerate(self.weights)
+            ]
+            self._table = (first, torch.tensor(rows, dtype=torch.int64))
+        return self.kernels.decode_layers(
+            h, self._table[1], self.final_norm, self.shape, rope, out_slots, pool.dtype, layout
+        )
+
+
 class CausalLM(nn.Module):
     """Decoder + LM head. `forward(batch, pool)` -> (R, vocab) float32 logits of batch rows.
 
     `native_kernels`: use the native kernels (native.py) where they apply (a float32 or
     bfloat16 pool on CPU) and could be built: attention, rope + K/V store, add + norm, SiLU, and
-    decode-sized matmuls; False keeps every step on PyTorch ops and oneDNN (for comparisons)."""
+    decode-sized matmuls; False keeps every step on PyTorch ops and oneDNN (for comparisons).
+    With them, a pure decode step runs its layer loop in C (FusedDecode; `fuse_decode` False
+    keeps it in Python, the same kernels one module at a time)."""
 
     inv_freq: torch.Tensor  # (head_dim / 2,) rope frequencies, a buffer
     _native_kernels: bool = True
+    fuse_decode: bool = True  # pure decode steps through FusedDecode where it applies
+    _fused: FusedDecode | bool | None = False  # False: not built yet; None: does not apply
 
     def __init__(self, config: ArchConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -227,6 +292,7 @@ class CausalLM(nn.Module):
     @native_kernels.setter
     def native_kernels(self, on: bool) -> None:
         self._native_kernels = on
+        self._fused = False
         kernels = native.kernels() if on else None
         for module in self.modules():
             if isinstance(module, Linear) and module.skinny is not None:
@@ -242,7 +308,18 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(kernels)
+        self._fused = False
         return True
+
+    def fused_decode(self) -> FusedDecode | None:
+        """The native decode step (FusedDecode), when this model's weights allow it."""
+        if not self.fuse_decode:
+            return None
+        if self._fused is False:
+            kernels = native.kernels() if self.native_kernels else None
+            ok = kernels is not None and FusedDecode.applies(self)
+            self._fused = FusedDecode(self, kernels) if kernels is not None and ok else None
+        return self._fused if isinstance(self._fused, FusedDecode) else None
 
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         self._check_fits(batch, pool)
@@ -255,14 +332,37 @@ class CausalLM(nn.Module):
         # the native rope_store computes in float32 whatever the model's dtype
         rope_dtype = torch.float32 if plan.kernels is not None and not c.qk_norm else h.dtype
         rope = rope_cos_sin(batch.positions, self.inv_freq, rope_dtype)
+        fused = self.fused_decode() if plan.kernels is not None else None
+        group = plan.decode
+        if (
+            fused is not None
+            and group is not None
+            and group.token_rows is None  # a pure decode step
+            and group.layout is not None
+            and h.shape[0] <= native.SKINNY_MAX_ROWS
+        ):
+            x = fused.run(h, rope, batch.out_slots, group.layout, pool)
+        else:
+            x = self._layers(h, rope, batch, pool, plan)
+        x = x.index_select(0, batch.logits_indices)  # (R, hidden), normed
+        return self.lm_head(x).float()  # (R, vocab)
+
+    def _layers(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+        pool: KVPool,
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        """The decoder layers, one module at a time: h (T, hidden) embeddings -> final norm."""
         layers = cast(list[DecoderLayer], list(self.model.layers))
         next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
         x = layers[0].input_layernorm.add_forward(h, None, plan.kernels)
         for i, (layer, next_norm) in enumerate(zip(layers, next_norms)):
             kv = (pool.k_cache(i), pool.v_cache(i))
             x = layer(x, h, rope, batch.out_slots, kv, plan, next_norm)
-        x = x.index_select(0, batch.logits_indices)  # (R, hidden), normed
-        return self.lm_head(x).float()  # (R, vocab)
+        return x
 
     def _check_fits(self, batch: ForwardBatch, pool: KVPool) -> None:
         c = self.config
