@@ -16,10 +16,12 @@
    The shared run of a unit is many query rows against the same keys, the shape prefill has:
    it goes through the extend kernel's register tiles (flash_tile.h), which widen each K/V row
    once for all the rows and keep 8 rows x 32 keys of scores in registers. Each member's own
-   slots (a few rows each) go row by row.
+   slots (a few rows each) go row by row: 16 keys at a time with the scores summed in a shuffle
+   tree on AVX-512 (attend_rows), one key at a time on AVX2 (update_block).
 
    Layouts (contiguous; q, out float32; k, v float32 (kv_mode 0) or bfloat16 (kv_mode 1; 2: a
-   bfloat16 model, whose shared runs use bfloat16 dot products where the CPU has them)):
+   bfloat16 model, whose Q K^T, and the shared runs' P V, use bfloat16 dot products where the
+   CPU has them)):
      q, out     (B, H, D)             B requests, H query heads; heads h*G .. h*G+G-1 read kv head h
      k, v       (num_slots, KV, D)    one layer of the pool
      units      num_units + 1 offsets into the member arrays; unit u = members [units[u], units[u+1])
@@ -150,6 +152,152 @@ ALWAYS_INLINE void attend_keys(const KeySource *src, const float *q, int64_t n,
     }
 }
 
+#if defined(__AVX512F__)
+/* The row path on AVX-512 (AVX2 builds keep update_block): 16 keys at a time, per query row
+     S (16 keys)   each key's dot product as a vector of 16 partial sums (bfloat16 pairs with
+                   vdpbf16ps for a bfloat16 model, else float32 FMAs), the 16 vectors summed
+                   lane-wise into one vector of 16 scores: 15 shuffle-and-adds in a tree,
+                   instead of a horizontal sum per key
+     softmax       online, on that one vector
+     acc += P V    each V row widened once for all the rows of the group; acc in registers
+   Rows go in groups of up to ROWS, a literal count each, so accumulators stay in registers (a
+   kv head's query heads: 3 for the default model). About 2x faster than update_block on K/V
+   in cache (8 requests x 700 keys, 2 threads: 4.9 against 9.4 ns per key and kv head); from
+   memory (30 layers' pools) 0.21 -> 0.17 ms per layer, where the memory becomes the limit. */
+#define ROWS 4
+
+/* The tree's lane order: lane 4q + r holds key q + 4r, and key j lands in lane LANE_KEYS[j]. */
+static const int32_t LANE_KEYS[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+ALWAYS_INLINE v16 widen16(const char *row, int64_t d, const int bf16)
+{
+    if (!bf16) return load16((const float *)row + d);
+    const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * d)));
+    return (v16)_mm512_slli_epi32(x, 16);
+}
+
+/* K or V rows for the keys past the end of a short chunk: zeros (their scores are masked) */
+static const float ZERO_ROW[16 * MAX_VECTORS] __attribute__((aligned(64)));
+
+/* One key's dot product with a query row as 16 partial sums. */
+ALWAYS_INLINE v16 key_dot(const char *k_row, const float *q, const void *qp, const int64_t D,
+                          const int bf16, const int dots)
+{
+    v16 dot = (v16){0};
+#if HAS_BF16_DOTS
+    if (dots) {
+        const pair_t *k2 = (const pair_t *)k_row, *q2 = (const pair_t *)qp;
+        int64_t c = 0; /* in pairs */
+        for (; c + 16 <= D / 2; c += 16)
+            dot = (v16)_mm512_dpbf16_ps((__m512)dot, (__m512bh)_mm512_loadu_si512(k2 + c),
+                                        (__m512bh)_mm512_loadu_si512(q2 + c));
+        if (c < D / 2) { /* D = 16 (mod 32): the last 8 pairs, zero-extended */
+            const __m512i kh = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(k2 + c)));
+            const __m512i qh = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(q2 + c)));
+            dot = (v16)_mm512_dpbf16_ps((__m512)dot, (__m512bh)kh, (__m512bh)qh);
+        }
+        return dot;
+    }
+#endif
+    for (int64_t c = 0; c < D / 16; c++) dot += load16(q + 16 * c) * widen16(k_row, 16 * c, bf16);
+    return dot;
+}
+
+/* nr (a literal, <= ROWS) query rows (qs pre-scaled float32; qp their bfloat16 pairs, unscaled,
+   for dots) attend to one chunk of 16 keys, k_rows / v_rows (the first `count` real, the rest
+   ZERO_ROW). */
+ALWAYS_INLINE void rows_chunk(const char *const *k_rows, const char *const *v_rows, int64_t count,
+                              const float *qs, const void *qp, float scale, const int nr,
+                              float *acc, float *m, float *l, const int64_t D, const int bf16,
+                              const int dots)
+{
+    const int64_t nv = D / 16;
+    const i16 key_of_lane = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+    float p[ROWS][16];
+    float alpha[ROWS];
+    for (int i = 0; i < nr; i++) {
+        const float *q = qs + i * D;
+        const void *q2 = dots ? (const char *)qp + i * D * 2 : NULL;
+        __m512 y[8];
+        for (int j = 0; j < 8; j++) { /* the tree's first level as the dots come: 256-bit halves */
+            const __m512 a = (__m512)key_dot(k_rows[2 * j], q, q2, D, bf16, dots);
+            const __m512 b = (__m512)key_dot(k_rows[2 * j + 1], q, q2, D, bf16, dots);
+            y[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+        }
+        __m512 z[4], w[2];
+        for (int j = 0; j < 4; j++) /* 128-bit quarters, one key each */
+            z[j] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * j], y[2 * j + 1], 0x88),
+                                 _mm512_shuffle_f32x4(y[2 * j], y[2 * j + 1], 0xDD));
+        for (int j = 0; j < 2; j++) /* 64-bit pairs, two keys per quarter */
+            w[j] = _mm512_add_ps(
+                (__m512)_mm512_unpacklo_pd((__m512d)z[2 * j], (__m512d)z[2 * j + 1]),
+                (__m512)_mm512_unpackhi_pd((__m512d)z[2 * j], (__m512d)z[2 * j + 1]));
+        v16 s = (v16)_mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88),
+                                   _mm512_shuffle_ps(w[0], w[1], 0xDD));
+        if (dots) s *= scale;
+        if (count < 16) s = where_below(key_of_lane, (int32_t)count, s, (v16){0} + NO_SCORE);
+        const float block_top = hmax16(s);
+        const float top = block_top > m[i] ? block_top : m[i];
+        v16 e = exp16(s - top);
+        if (count < 16) e = where_below(key_of_lane, (int32_t)count, e, (v16){0});
+        alpha[i] = top > m[i] ? exp16((v16){0} + (m[i] - top))[0] : 1.0f;
+        l[i] = l[i] * alpha[i] + hsum16(e);
+        m[i] = top;
+        store16(p[i], e);
+    }
+    v16 a[ROWS][MAX_VECTORS];
+    for (int i = 0; i < nr; i++)
+        for (int64_t c = 0; c < nv; c++) a[i][c] = load16(acc + i * D + 16 * c) * alpha[i];
+    for (int j = 0; j < 16; j++) {
+        const int lane = LANE_KEYS[j];
+        for (int64_t c = 0; c < nv; c++) {
+            const v16 vv = widen16(v_rows[j], 16 * c, bf16);
+            for (int i = 0; i < nr; i++) a[i][c] += p[i][lane] * vv;
+        }
+    }
+    for (int i = 0; i < nr; i++)
+        for (int64_t c = 0; c < nv; c++) store16(acc + i * D + 16 * c, a[i][c]);
+}
+
+/* n query rows attend to keys slots[0 .. len), 16 keys per chunk, ROWS rows at a time; the
+   next chunk's rows are prefetched while this one is computed. */
+ALWAYS_INLINE void attend_rows(const KeySource *src, const float *qs, const void *qp, float scale,
+                               int64_t n, const int64_t *slots, int64_t len, float *acc, float *m,
+                               float *l, const int64_t D, const int bf16, const int dots)
+{
+    const int64_t row_bytes = D * (bf16 ? 2 : 4);
+    const char *k_rows[16], *v_rows[16];
+    for (int64_t key0 = 0; key0 < len; key0 += 16) {
+        const int64_t count = len - key0 < 16 ? len - key0 : 16;
+        row_addresses(src, slots, key0, count, k_rows, v_rows);
+        for (int64_t j = count; j < 16; j++) k_rows[j] = v_rows[j] = (const char *)ZERO_ROW;
+        const int64_t next = key0 + 16, next_count = len - next < 16 ? len - next : 16;
+        for (int64_t j = 0; j < next_count; j++) {
+            const int64_t at = slots[next + j] * src->row_bytes + src->head_offset;
+            prefetch_row(src->k + at, src->v + at, row_bytes);
+        }
+        for (int64_t r = 0; r < n; r += ROWS) {
+            const float *q = qs + r * D;
+            const void *q2 = dots ? (const char *)qp + r * D * 2 : NULL;
+            float *a = acc + r * D, *mr = m + r, *lr = l + r;
+            switch (n - r < ROWS ? n - r : ROWS) { /* literal row counts: registers, unrolled */
+            case 1: rows_chunk(k_rows, v_rows, count, q, q2, scale, 1, a, mr, lr, D, bf16, dots); break;
+            case 2: rows_chunk(k_rows, v_rows, count, q, q2, scale, 2, a, mr, lr, D, bf16, dots); break;
+            case 3: rows_chunk(k_rows, v_rows, count, q, q2, scale, 3, a, mr, lr, D, bf16, dots); break;
+            default: rows_chunk(k_rows, v_rows, count, q, q2, scale, 4, a, mr, lr, D, bf16, dots); break;
+            }
+        }
+    }
+}
+#endif
+
+#if defined(__AVX512F__)
+#define ATTEND_ROWS attend_rows
+#else /* AVX2: the row-by-row path of update_block */
+#define ATTEND_ROWS(src, qs, qp, scale, n, slots, len, acc, m, l, D, bf16, dots) \
+    attend_keys(src, qs, n, slots, len, acc, m, l, D, bf16)
+#endif
+
 typedef struct {
     const float *q;
     float *out;
@@ -166,7 +314,7 @@ ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int
     const int64_t *run = b->shared + 2 * u;
     const int64_t group = b->group, n = num_members * group;
     const int64_t rows = run[1] > 0 ? (n + R - 1) / R * R : n; /* the tile's rows: whole groups */
-    const int64_t tile_words = run[1] > 0 ? rows * D / 2 + 2 * KB * D : 0;
+    const int64_t tile_words = run[1] > 0 ? rows * D / 2 + 2 * KB * D : (dots ? rows * D / 2 : 0);
     /* Scratch (4-byte words): qs (rows, D) pre-scaled, acc (rows, D), m, l (rows); for the
        shared run's tile: qp (rows, D/2) bfloat16 pairs, kt, vb (KB, D); limit (rows) int64. */
     float *qs = calloc((size_t)(rows * (2 * D + 2) + tile_words), sizeof(float));
@@ -174,8 +322,8 @@ ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int
     if (qs == NULL || limit == NULL) abort(); /* a few KB; nothing sensible to do without it */
     float *acc = qs + rows * D, *m = acc + rows * D, *l = m + rows;
     /* the tile's scratch exists only for a unit with a shared run */
-    float *qp = tile_words ? l + rows : NULL, *kt = tile_words ? qp + rows * D / 2 : NULL;
-    float *vb = tile_words ? kt + KB * D : NULL;
+    float *qp = tile_words ? l + rows : NULL, *kt = run[1] > 0 ? qp + rows * D / 2 : NULL;
+    float *vb = run[1] > 0 ? kt + KB * D : NULL;
     for (int64_t i = 0; i < rows; i++) {
         m[i] = NO_SCORE;
         limit[i] = i < n ? run[1] - 1 : -1; /* the whole run; padding rows see nothing */
@@ -184,7 +332,7 @@ ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int
         const float *qi = b->q + (row * b->num_heads + head * group + i % group) * D;
         for (int64_t d = 0; d < D; d++) qs[i * D + d] = qi[d] * b->scale;
 #if HAS_BF16_DOTS
-        if (dots && run[1] > 0) /* the tile's queries */
+        if (dots) /* bfloat16 pairs: the tile's and the row path's queries */
             for (int64_t d = 0; d < D / 2; d++)
                 ((pair_t *)qp)[i * (D / 2) + d] = bf16_bits(qi[2 * d]) | bf16_bits(qi[2 * d + 1])
                                                                               << 16;
@@ -202,12 +350,12 @@ ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int
         if (n >= TILE_MIN_ROWS)
             tile_attend(&tile, qs, src, slots, run[1], kt, vb, D, bf16);
         else /* float32 with few rows: row by row, each K/V row still loaded once for all */
-            attend_keys(src, qs, n, slots, run[1], acc, m, l, D, bf16);
+            ATTEND_ROWS(src, qs, qp, b->scale, n, slots, run[1], acc, m, l, D, bf16, dots);
     }
     for (int64_t r = 0; r < num_members; r++) {
         const int64_t *mine = b->own + 2 * (first + r), at = r * group;
-        attend_keys(src, qs + at * D, group, b->slots + mine[0], mine[1], acc + at * D, m + at,
-                    l + at, D, bf16);
+        ATTEND_ROWS(src, qs + at * D, dots ? (const char *)qp + at * D * 2 : NULL, b->scale, group,
+                    b->slots + mine[0], mine[1], acc + at * D, m + at, l + at, D, bf16, dots);
     }
     for (int64_t i = 0; i < n; i++) {
         const int64_t row = b->member_row[first + i / group];
