@@ -204,7 +204,7 @@ def test_fused_decode_step_equals_the_layer_loop(
 ) -> None:  # type: ignore[no-untyped-def]
     """A pure decode step through FusedDecode (the layer loop in one native call) gives the same
     bits as the Python loop over the same kernels: logits and the K/V it writes, with requests
-    on a shared run and one alone, over several steps."""
+    on a shared run and one alone, over several steps, and a step of 20 requests."""
     require_native_kernels()
     model = load_causal_lm(str(tiny_hf_model("llama-gqa-llama3rope").path), dtype=dtype)
     assert model.fused_decode() is not None
@@ -214,7 +214,7 @@ def test_fused_decode_step_equals_the_layer_loop(
         native.Kernels, "decode_layers", lambda self, *a: calls.append(1) or real(self, *a)
     )
     runs = []
-    for fuse in (True, False):
+    for fuse in (True, False, True):  # the second fused run on a new pool: no stale pool addresses
         model.fuse_decode = fuse
         calls.clear()
         session = Session(model, seed=5, kv_dtype=kv_dtype)
@@ -226,13 +226,19 @@ def test_fused_decode_step_equals_the_layer_loop(
         for step in range(3):
             rows, slots = session.forward([[7 + step + i] for i in range(4)], slots, False)
             steps.append(rows)
+        # a step of 20 (more rows than the streamed matmuls take: register tiles)
+        slots = [*slots, *(session.prefill(random_ids(5, seed=100 + i)) for i in range(16))]
+        rows, _ = session.forward([[9 + i] for i in range(20)], slots, False)
+        steps.append(rows)
         pool = session.pool
         kv = [torch.stack([pool.k_cache(i), pool.v_cache(i)]) for i in range(pool.num_layers)]
-        runs.append((torch.stack(steps), torch.stack(kv), len(calls)))
-    (fused_logits, fused_kv, fused_calls), (loop_logits, loop_kv, loop_calls) = runs
-    assert (fused_calls, loop_calls) == (3, 0)  # the paths compared are the ones meant
-    assert torch.equal(fused_logits, loop_logits)
-    assert torch.equal(fused_kv, loop_kv)
+        runs.append((torch.cat(steps), torch.stack(kv), len(calls)))
+    (loop_logits, loop_kv, loop_calls) = runs[1]
+    assert loop_calls == 0
+    for fused_logits, fused_kv, fused_calls in (runs[0], runs[2]):
+        assert fused_calls == 4  # the paths compared are the ones meant
+        assert torch.equal(fused_logits, loop_logits)
+        assert torch.equal(fused_kv, loop_kv)
 
 
 @pytest.mark.parametrize("variant", ["llama-mha-tied-bias", "qwen3-gqa-qknorm"])

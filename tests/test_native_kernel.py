@@ -364,16 +364,18 @@ def test_silu_mul_matches_pytorch(built, dtype, num_tokens: int) -> None:  # typ
 
 @settings(max_examples=40, deadline=None)
 @given(
-    rows=st.integers(1, native.SKINNY_MAX_ROWS),
-    blocks=st.integers(1, 5),
+    rows=st.one_of(st.integers(1, native.SKINNY_MAX_ROWS), st.integers(17, 300)),
+    blocks=st.integers(1, 7),
     half_k=st.integers(1, 80),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     threads=st.sampled_from([1, 2]),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_skinny_linear_matches_f_linear(built, rows, blocks, half_k, dtype, threads, seed) -> None:  # type: ignore[no-untyped-def]
-    """x W^T for decode-sized batches from the packed weight: float32 to float32 rounding;
-    bfloat16 to one rounding of the float32 result (AVX512-BF16 dot products or widened pairs)."""
+    """x W^T from the packed weight, streamed (decode-sized batches) or in register tiles (more
+    rows: slabs of 96, tiles of 8 rows x 3 column blocks, and their remainders): float32 to
+    float32 rounding; bfloat16 to one rounding of the float32 result (AVX512-BF16 dot products
+    or widened pairs)."""
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(16 * blocks, 2 * half_k, generator=gen).to(dtype)
     x = torch.randn(rows, 2 * half_k, generator=gen).to(dtype)
@@ -401,6 +403,8 @@ def test_skinny_linear_refuses_what_it_cannot_do() -> None:
     packed = native.pack_skinny(torch.zeros(16, 8))
     assert packed is not None
     with pytest.raises(ValueError, match="skinny_linear"):
-        kernels.skinny_linear(torch.zeros(native.SKINNY_MAX_ROWS + 1, 8), packed)
+        kernels.skinny_linear(torch.zeros(0, 8), packed)
+    with pytest.raises(ValueError, match="skinny_linear"):
+        kernels.skinny_linear(torch.zeros(2, 10), packed)
     with pytest.raises(ValueError, match="dtype"):
         kernels.skinny_linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed)

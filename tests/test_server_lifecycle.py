@@ -22,11 +22,13 @@ from radixlm.config import CacheConfig, SchedulerConfig
 pytestmark = pytest.mark.timeout(180)
 
 LONG = {"max_tokens": 900, "ignore_eos": True, "temperature": 0}
+# longer than any client here waits (the tiny model decodes 900 tokens in under 0.3 s)
+ENDLESS = {**LONG, "max_tokens": 8_000}
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-lifecycle"))
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-lifecycle"), context_len=8_192)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +63,7 @@ def test_stream_cut_midway_returns_every_slot(server: LiveServer) -> None:
 def test_non_streaming_client_that_gives_up_is_aborted(server: LiveServer) -> None:
     aborted = _assert_idle(server)["engine_stats"]["aborted_requests"]
     with pytest.raises(httpx.ReadTimeout):
-        server.post("/v1/completions", json={"prompt": "impatient", **LONG}, timeout=0.3)
+        server.post("/v1/completions", json={"prompt": "impatient", **ENDLESS}, timeout=0.3)
     cache = _assert_idle(server)
     assert cache["engine_stats"]["aborted_requests"] == aborted + 1
 

@@ -91,6 +91,7 @@ class KVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self._addresses: torch.Tensor | None = None  # layer_addresses(), built on first use
 
     @property
     def capacity(self) -> int:
@@ -112,6 +113,14 @@ class KVPool:
 
     def k_cache(self, layer: int) -> torch.Tensor:
         return self.k[layer]
+
+    def layer_addresses(self) -> torch.Tensor:
+        """(num_layers, 2) int64: where each layer's K and V views start, for native code that
+        walks the layers itself. Fixed for the pool's life (its tensors never move)."""
+        if self._addresses is None:
+            rows = [[self.k[i].data_ptr(), self.v[i].data_ptr()] for i in range(self.num_layers)]
+            self._addresses = torch.tensor(rows, dtype=torch.int64)
+        return self._addresses
 
     def v_cache(self, layer: int) -> torch.Tensor:
         return self.v[layer]

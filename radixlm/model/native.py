@@ -5,7 +5,8 @@
     csrc/flash_tile.h         the register-tiled flash attention loops both use
     csrc/rope_store.c         rope on q and k, and the K/V write into the pool, in one call
     csrc/rms_norm.c           the residual add + RMS norm, and silu(gate) * up, one call each
-    csrc/skinny_linear.c      linear layers for decode-sized batches (<= 16 rows), streaming W
+    csrc/skinny_linear.c      linear layers on a packed weight: decode batches stream it, larger
+                              ones go through register tiles
     csrc/decode_step.c        a decode step through all the decoder layers, calling the above
 
 Both read K/V where they lie in the pool (float32 or bfloat16), with no gather. Why C and not a
@@ -57,7 +58,7 @@ SOURCES = [
 HEADERS = [Path(__file__).parent / "csrc" / h for h in ("flash_tile.h", "bf16.h")]  # included
 KV_DTYPES = (torch.float32, torch.bfloat16)  # pool dtypes the kernels read
 MAX_HEAD_DIM = 256  # head_dim: a multiple of 16 (whole vector registers), at most this
-SKINNY_MAX_ROWS = 16  # the skinny linear kernel's batch: decode steps of up to this many tokens
+SKINNY_MAX_ROWS = 16  # skinny_linear streams W for up to this many rows; more go through tiles
 FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]  # and -march
 
 
@@ -108,7 +109,7 @@ class Kernels:
         self._skinny = lib.skinny_linear
         self._skinny.argtypes = [p, p, p, i64, i64, i64, i32, i32]
         self._decode_layers = lib.decode_layers
-        model: list[Any] = [p, p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, i32, i32, f32]
+        model: list[Any] = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, i32, i32, f32]
         step: list[Any] = [p, p, p, i64, p, p, p, p, p, i32]  # rope, out_slots, layout, threads
         self._decode_layers.argtypes = [*model, *step]
         for fn in (
@@ -171,13 +172,13 @@ class Kernels:
         return out
 
     def skinny_linear(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        """x (M, K) @ W^T for M <= SKINNY_MAX_ROWS, W packed by `pack_skinny` -> (M, N) in x's
-        dtype (float32 accumulation)."""
+        """x (M, K) @ W^T, W packed by `pack_skinny` -> (M, N) in x's dtype (float32
+        accumulation): up to SKINNY_MAX_ROWS rows stream W, more go through register tiles."""
         num_rows, k = x.shape
         n = packed.shape[0] * 16
         if x.dtype != packed.dtype or not x.is_contiguous() or x.device.type != "cpu":
             raise ValueError("skinny_linear takes contiguous CPU rows of the packed weight's dtype")
-        if not 1 <= num_rows <= SKINNY_MAX_ROWS or packed.numel() != n * k:
+        if num_rows < 1 or packed.numel() != n * k:
             raise ValueError(f"skinny_linear: x {tuple(x.shape)} against a packed ({n}, ?) weight")
         y = x.new_empty(num_rows, n)
         status = self._skinny(
@@ -191,7 +192,8 @@ class Kernels:
     def decode_layers(
         self,
         h: torch.Tensor,
-        layers: torch.Tensor,
+        weights: torch.Tensor,
+        kv: torch.Tensor,
         final_norm: torch.Tensor,
         shape: DecoderShape,
         rope: tuple[torch.Tensor, torch.Tensor],
@@ -201,14 +203,16 @@ class Kernels:
     ) -> torch.Tensor:
         """A decode step through every decoder layer (csrc/decode_step.c): h (B, hidden), the
         embeddings, becomes the residual stream after the last layer (in place); returns the
-        final norm of it. `layers` (num_layers, 8) int64 holds each layer's addresses (input
-        norm, packed Wqkv, packed Wo, post-attention norm, packed Wgate_up, packed Wdown, K and
-        V pool tensors); rope as rope_store takes it; one token per request of `layout`."""
+        final norm of it. `weights` (num_layers, 6) int64 holds each layer's weight addresses
+        (input norm, packed Wqkv, packed Wo, post-attention norm, packed Wgate_up, packed
+        Wdown), `kv` (num_layers, 2) its K and V pool views' (KVPool.layer_addresses); rope as
+        rope_store takes it; one token per request of `layout`."""
         num_rows = h.shape[0]
         if h.dtype not in KV_DTYPES or not h.is_contiguous() or kv_dtype not in KV_DTYPES:
             raise ValueError("decode_layers runs float32 or bfloat16 models and pools")
-        if not 1 <= num_rows <= SKINNY_MAX_ROWS or layers.shape != (shape.num_layers, 8):
-            raise ValueError(f"decode_layers: {num_rows} rows, a ({tuple(layers.shape)}) table")
+        tables = (weights.shape, kv.shape) == ((shape.num_layers, 6), (shape.num_layers, 2))
+        if num_rows < 1 or not tables or {weights.dtype, kv.dtype} != {torch.int64}:
+            raise ValueError(f"decode_layers: {num_rows} rows, tables {weights.shape} {kv.shape}")
         if layout.member_row.numel() != num_rows:
             raise ValueError("decode_layers: the layout's requests are not h's rows")
         cos, sin = (t.contiguous() for t in rope)
@@ -217,7 +221,7 @@ class Kernels:
         kv_mode = int(kv_dtype == torch.bfloat16) * (2 if bf16 else 1)
         x = torch.empty_like(h)
         status = self._decode_layers(
-            h.data_ptr(), x.data_ptr(), layers.data_ptr(), final_norm.data_ptr(),
+            h.data_ptr(), x.data_ptr(), weights.data_ptr(), kv.data_ptr(), final_norm.data_ptr(),
             shape.num_layers, num_rows, shape.hidden, shape.num_heads, shape.num_kv_heads,
             shape.head_dim, shape.intermediate, shape.eps, int(bf16), kv_mode,
             shape.head_dim**-0.5, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),

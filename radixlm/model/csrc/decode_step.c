@@ -17,11 +17,11 @@
        h += a Wd; x = next norm(h)     skinny_linear, add_rms_norm (the next layer's input norm,
                                        or the final norm after the last layer)
 
-   Layouts: h, x (B, hidden) in the model's dtype (float32, or bfloat16 when `bf16`); layers
-   (num_layers, 8) addresses: input norm weight, packed Wqkv, packed Wo, post-attention norm
-   weight, packed Wgate_up, packed Wdown (pack_skinny's layout), this layer's K and V pool
-   tensors (num_slots, KV, D); final_norm (hidden,); cos, sin (B, D) float32; out_slots (B,);
-   the decode layout as decode_attention takes it.
+   Layouts: h, x (B, hidden) in the model's dtype (float32, or bfloat16 when `bf16`); weights
+   (num_layers, 6) addresses: input norm weight, packed Wqkv, packed Wo, post-attention norm
+   weight, packed Wgate_up, packed Wdown (pack_skinny's layout); kv (num_layers, 2) addresses
+   of each layer's K and V pool views (num_slots, KV, D); final_norm (hidden,); cos, sin (B, D)
+   float32; out_slots (B,); the decode layout as decode_attention takes it.
 */
 #include <stdint.h>
 #include <stdlib.h>
@@ -44,7 +44,7 @@ int decode_attention(const float *q, const void *k, const void *v, float *out, i
 int silu_mul(const void *gate_up, void *act, int64_t num_tokens, int64_t inter, int bf16,
              int num_threads);
 
-enum { IN_NORM, QKV, O, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE, PER_LAYER };
+enum { IN_NORM, QKV, O, POST_NORM, GATE_UP, DOWN, PER_LAYER }; /* the weights' columns */
 
 /* n elements between float32 and the model's dtype (a plain copy for float32). */
 static void to_float(const void *src, float *dst, int64_t n, int bf16)
@@ -68,8 +68,9 @@ static void from_float(const float *src, void *dst, int64_t n, int bf16)
         if (status != 0) goto done;                                                              \
     } while (0)
 
-int decode_layers(void *h, void *x, const int64_t *layers, const void *final_norm,
-                  int64_t num_layers, int64_t B, int64_t hidden, int64_t num_heads,
+int decode_layers(void *h, void *x, const int64_t *layers, const int64_t *kv,
+                  const void *final_norm, int64_t num_layers, int64_t B, int64_t hidden,
+                  int64_t num_heads,
                   int64_t num_kv_heads, int64_t head_dim, int64_t inter, float eps, int bf16,
                   int kv_mode, float scale, const float *cos, const float *sin,
                   const int64_t *out_slots, int64_t num_units, const int64_t *units,
@@ -94,7 +95,7 @@ int decode_layers(void *h, void *x, const int64_t *layers, const void *final_nor
                        num_threads));
     for (int64_t l = 0; l < num_layers; l++) {
         const int64_t *w = layers + l * PER_LAYER;
-        void *k = (void *)w[K_CACHE], *v = (void *)w[V_CACHE];
+        void *k = (void *)kv[2 * l], *v = (void *)kv[2 * l + 1];
         CHECK(skinny_linear(x, (const void *)w[QKV], qkv, B, qkv_size, hidden, bf16, num_threads));
         CHECK(rope_store(qkv, B, qkv_size, num_heads, num_kv_heads, head_dim, cos, sin, out_slots,
                          k, v, kv_mode != 0, bf16, q, num_threads));

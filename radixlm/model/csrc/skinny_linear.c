@@ -1,4 +1,5 @@
-/* Linear layers for decode-sized batches: y (M, N) = x (M, K) W^T for M <= 16 rows.
+/* Linear layers on a packed weight: y (M, N) = x (M, K) W^T, built for decode-sized batches
+   (M <= 16 rows, below) and also used for prefill chunks (tiled_linear, further down).
 
    A decode step multiplies a handful of rows by every weight matrix once: it is a stream of the
    weights through the cores, and its speed is how fast that stream runs. oneDNN's matmuls reach
@@ -92,11 +93,124 @@ ALWAYS_INLINE void run_block(const void *x, const void *wp, void *y, int64_t N, 
     else block_f32(x, wp, y, N, K, b, rows);
 }
 
+/* More rows than a decode step (a prefill chunk): the same packed weight, multiplied in register
+   tiles of TILE_ROWS rows x TILE_BLOCKS column blocks (24 accumulators): per k, 3 loads of W
+   and 8 broadcasts of x feed 24 multiply-adds. Rows go in slabs of SLAB_ROWS, whose x stays in
+   L2 while the threads share out the column blocks; each block's K x 16 weights stay in L1/L2
+   for the slab's tiles. As fast as oneDNN's packed matmuls at 512 rows and more (~1,000 GFLOP/s
+   bfloat16, ~500 float32 on 2 cores), 1.1-1.3x faster at 32-128 rows. */
+#define TILE_ROWS 8
+#define TILE_BLOCKS 3
+#define SLAB_ROWS 96
+
+ALWAYS_INLINE void tile_f32(const float *x, const float *wp, float *y, int64_t N, int64_t K,
+                            int64_t b, const int rows, const int nb)
+{
+    v16 acc[TILE_ROWS * TILE_BLOCKS];
+    for (int i = 0; i < rows * nb; i++) acc[i] = (v16){0};
+    const float *w = wp + b * K * 16;
+    for (int64_t k = 0; k < K; k++) {
+        v16 wk[TILE_BLOCKS];
+        for (int j = 0; j < nb; j++) memcpy(&wk[j], w + j * K * 16 + k * 16, sizeof(v16));
+        for (int m = 0; m < rows; m++) {
+            const float xv = x[m * K + k];
+            for (int j = 0; j < nb; j++) acc[m * nb + j] += xv * wk[j];
+        }
+    }
+    for (int j = 0; j < nb; j++) {
+        v16 col[TILE_ROWS];
+        for (int m = 0; m < rows; m++) col[m] = acc[m * nb + j];
+        store_block(y, col, N, b + j, rows, 0);
+    }
+}
+
+ALWAYS_INLINE void tile_bf16(const uint32_t *x, const uint32_t *wp, uint16_t *y, int64_t N,
+                             int64_t K, int64_t b, const int rows, const int nb)
+{
+    v16 acc[TILE_ROWS * TILE_BLOCKS];
+    for (int i = 0; i < rows * nb; i++) acc[i] = (v16){0};
+    const int64_t half = K / 2;
+    const uint32_t *w = wp + b * half * 16;
+    for (int64_t k = 0; k < half; k++) {
+        u16x32 wk[TILE_BLOCKS];
+        for (int j = 0; j < nb; j++) memcpy(&wk[j], w + j * half * 16 + k * 16, sizeof(u16x32));
+        for (int m = 0; m < rows; m++) {
+            const uint32_t pair = x[m * half + k];
+#if defined(__AVX512BF16__)
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int j = 0; j < nb; j++)
+                acc[m * nb + j] = (v16)_mm512_dpbf16_ps((__m512)acc[m * nb + j], (__m512bh)wk[j], xv);
+#else
+            const float lo = bf16_to_float((uint16_t)pair), hi = bf16_to_float((uint16_t)(pair >> 16));
+            for (int j = 0; j < nb; j++)
+                acc[m * nb + j] += lo * (v16)(wk[j] << 16) + hi * (v16)(wk[j] & 0xFFFF0000u);
+#endif
+        }
+    }
+    for (int j = 0; j < nb; j++) {
+        v16 col[TILE_ROWS];
+        for (int m = 0; m < rows; m++) col[m] = acc[m * nb + j];
+        store_block(y, col, N, b + j, rows, 1);
+    }
+}
+
+/* One tile: rows (a literal, <= TILE_ROWS) x nb column blocks from block b. */
+ALWAYS_INLINE void run_tile(const char *x, const void *wp, char *y, int64_t N, int64_t K,
+                            int64_t b, const int rows, const int nb, int bf16)
+{
+    if (bf16) tile_bf16((const uint32_t *)x, wp, (uint16_t *)y, N, K, b, rows, nb);
+    else tile_f32((const float *)x, wp, (float *)y, N, K, b, rows, nb);
+}
+
+#define TILE_ROWS_CASES(NB)                                                                      \
+    switch (rows) {                                                                              \
+    case 1: run_tile(xr, wp, yr, N, K, b, 1, NB, bf16); break;                                   \
+    case 2: run_tile(xr, wp, yr, N, K, b, 2, NB, bf16); break;                                   \
+    case 3: run_tile(xr, wp, yr, N, K, b, 3, NB, bf16); break;                                   \
+    case 4: run_tile(xr, wp, yr, N, K, b, 4, NB, bf16); break;                                   \
+    case 5: run_tile(xr, wp, yr, N, K, b, 5, NB, bf16); break;                                   \
+    case 6: run_tile(xr, wp, yr, N, K, b, 6, NB, bf16); break;                                   \
+    case 7: run_tile(xr, wp, yr, N, K, b, 7, NB, bf16); break;                                   \
+    default: run_tile(xr, wp, yr, N, K, b, TILE_ROWS, NB, bf16); break;                          \
+    }
+
+static void tiled_linear(const void *x, const void *wp, void *y, int64_t M, int64_t N, int64_t K,
+                         int bf16, int num_threads)
+{
+    const int64_t elem = bf16 ? 2 : 4, blocks = N / 16;
+    const int64_t groups = (blocks + TILE_BLOCKS - 1) / TILE_BLOCKS;
+#pragma omp parallel num_threads(num_threads)
+    for (int64_t m0 = 0; m0 < M; m0 += SLAB_ROWS) {
+        const int64_t m1 = m0 + SLAB_ROWS < M ? m0 + SLAB_ROWS : M;
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t b = g * TILE_BLOCKS;
+            const int64_t nb = blocks - b < TILE_BLOCKS ? blocks - b : TILE_BLOCKS;
+            for (int64_t m = m0; m < m1; m += TILE_ROWS) {
+                const int rows = m1 - m < TILE_ROWS ? (int)(m1 - m) : TILE_ROWS;
+                const char *xr = (const char *)x + m * K * elem;
+                char *yr = (char *)y + m * N * elem;
+                if (nb == 3) {
+                    TILE_ROWS_CASES(3)
+                } else if (nb == 2) {
+                    TILE_ROWS_CASES(2)
+                } else {
+                    TILE_ROWS_CASES(1)
+                }
+            }
+        }
+    }
+}
+
 int skinny_linear(const void *x, const void *wp, void *y, int64_t M, int64_t N, int64_t K,
                   int bf16, int num_threads)
 {
-    if (M < 1 || M > MAX_ROWS) return 1;
+    if (M < 1) return 1;
     if (N % 16 != 0 || K % 2 != 0) return 2;
+    if (M > MAX_ROWS) {
+        tiled_linear(x, wp, y, M, N, K, bf16, num_threads);
+        return 0;
+    }
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t b = 0; b < N / 16; b++) {
         switch (M) { /* literal row counts: the row loops unroll, accumulators stay in registers */
