@@ -14,10 +14,11 @@
    chunks: the shared run first (all members' queries), then each member's own slots.
 
    The shared run of a unit is many query rows against the same keys, the shape prefill has:
-   it goes through the extend kernel's register tiles (flash_tile.h), which widen each K/V row
-   once for all the rows and keep 8 rows x 32 keys of scores in registers. Each member's own
-   slots (a few rows each) go row by row: 16 keys at a time with the scores summed in a shuffle
-   tree on AVX-512 (attend_rows), one key at a time on AVX2 (update_block).
+   from TILE_MIN_ROWS rows up it goes through the extend kernel's register tiles
+   (flash_tile.h), which widen each K/V row once for all the rows and keep 8 rows x 32 keys of
+   scores in registers. Fewer rows, and each member's own slots (a few rows each), go row by
+   row: 16 keys at a time with the scores summed in a shuffle tree on AVX-512 (attend_rows),
+   one key at a time on AVX2 (update_block).
 
    Layouts (contiguous; q, out float32; k, v float32 (kv_mode 0) or bfloat16 (kv_mode 1; 2: a
    bfloat16 model, whose Q K^T, and the shared runs' P V, use bfloat16 dot products where the
@@ -34,10 +35,11 @@
 #include "flash_tile.h"
 
 #define CHUNK 32 /* keys per softmax update: the chunk's K/V rows stay in L1 */
-/* Float32 shared runs of fewer query rows than this go row by row: the tile's staging of each
-   key block pays off only over enough rows (8 requests on a 1K run, one layer: 24 rows tiled
-   0.13 ms, row by row 0.17; 4 x 2 requests, 6 rows each: tiled 0.22, row by row 0.15). bfloat16
-   dot products are faster in tiles at any count. */
+/* Shared runs of fewer query rows than this go row by row: the tile's staging of each key block
+   pays off only over enough rows (float32, 8 requests on a 1K run, one layer: 24 rows tiled
+   0.13 ms, row by row 0.17; 4 x 2 requests, 6 rows each: tiled 0.22, row by row 0.15). With
+   AVX-512's row path (attend_rows, 8 rows a pass), bfloat16 too: decode steps sampled from
+   served gsp, 2 threads, 0.157 -> 0.149 ms per layer (float32 0.278 -> 0.263). */
 #define TILE_MIN_ROWS 16
 
 /* The K and V row addresses of keys slots[from .. from + count), for this task's head. */
@@ -161,10 +163,11 @@ ALWAYS_INLINE void attend_keys(const KeySource *src, const float *q, int64_t n,
      softmax       online, on that one vector
      acc += P V    each V row widened once for all the rows of the group; acc in registers
    Rows go in groups of up to ROWS, a literal count each, so accumulators stay in registers (a
-   kv head's query heads: 3 for the default model). About 2x faster than update_block on K/V
-   in cache (8 requests x 700 keys, 2 threads: 4.9 against 9.4 ns per key and kv head); from
-   memory (30 layers' pools) 0.21 -> 0.17 ms per layer, where the memory becomes the limit. */
-#define ROWS 4
+   kv head's query heads: 3 for the default model; a shared run of 2 requests: 6). About 2x
+   faster than update_block on K/V in cache (8 requests x 700 keys, 2 threads: 4.9 against 9.4
+   ns per key and kv head); from memory (30 layers' pools) 0.21 -> 0.17 ms per layer, where
+   the memory becomes the limit. */
+#define ROWS 8
 
 /* The tree's lane order: lane 4q + r holds key q + 4r, and key j lands in lane LANE_KEYS[j]. */
 static const int32_t LANE_KEYS[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
@@ -284,7 +287,11 @@ ALWAYS_INLINE void attend_rows(const KeySource *src, const float *qs, const void
             case 1: rows_chunk(k_rows, v_rows, count, q, q2, scale, 1, a, mr, lr, D, bf16, dots); break;
             case 2: rows_chunk(k_rows, v_rows, count, q, q2, scale, 2, a, mr, lr, D, bf16, dots); break;
             case 3: rows_chunk(k_rows, v_rows, count, q, q2, scale, 3, a, mr, lr, D, bf16, dots); break;
-            default: rows_chunk(k_rows, v_rows, count, q, q2, scale, 4, a, mr, lr, D, bf16, dots); break;
+            case 4: rows_chunk(k_rows, v_rows, count, q, q2, scale, 4, a, mr, lr, D, bf16, dots); break;
+            case 5: rows_chunk(k_rows, v_rows, count, q, q2, scale, 5, a, mr, lr, D, bf16, dots); break;
+            case 6: rows_chunk(k_rows, v_rows, count, q, q2, scale, 6, a, mr, lr, D, bf16, dots); break;
+            case 7: rows_chunk(k_rows, v_rows, count, q, q2, scale, 7, a, mr, lr, D, bf16, dots); break;
+            default: rows_chunk(k_rows, v_rows, count, q, q2, scale, 8, a, mr, lr, D, bf16, dots); break;
             }
         }
     }
@@ -341,16 +348,17 @@ ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int
     if (run[1] > 0) {
         const Tile tile = {rows, limit, acc, m, l};
         const int64_t *slots = b->slots + run[0];
+        if (n >= TILE_MIN_ROWS) {
 #if HAS_BF16_DOTS
-        if (dots)
-            tile_attend_bf16(&tile, (const pair_t *)qp, b->scale, src, slots, run[1],
-                             (pair_t *)kt, (pair_t *)vb, D);
-        else
+            if (dots)
+                tile_attend_bf16(&tile, (const pair_t *)qp, b->scale, src, slots, run[1],
+                                 (pair_t *)kt, (pair_t *)vb, D);
+            else
 #endif
-        if (n >= TILE_MIN_ROWS)
-            tile_attend(&tile, qs, src, slots, run[1], kt, vb, D, bf16);
-        else /* float32 with few rows: row by row, each K/V row still loaded once for all */
+                tile_attend(&tile, qs, src, slots, run[1], kt, vb, D, bf16);
+        } else { /* few rows: row by row, each K/V row still loaded once for all */
             ATTEND_ROWS(src, qs, qp, b->scale, n, slots, run[1], acc, m, l, D, bf16, dots);
+        }
     }
     for (int64_t r = 0; r < num_members; r++) {
         const int64_t *mine = b->own + 2 * (first + r), at = r * group;
