@@ -206,12 +206,13 @@ class FusedDecode:
     """A pure decode step's layer loop as one native call (csrc/decode_step.c): the same kernels
     in the same order as the Python loop, so the same bits, without ~270 calls' worth of module,
     ctypes and tensor glue per step. Built for models it can run: no biases or q/k norms, and
-    every projection packed for the skinny kernel in the model's dtype."""
+    every projection packed for the skinny kernel in the model's dtype. It holds the weights'
+    addresses: CausalLM drops it when weights are packed or the kernels switched (the pool's
+    addresses come from the pool at every call)."""
 
     def __init__(self, model: CausalLM, kernels: native.Kernels):
         c = model.config
         self.kernels = kernels
-        self.dtype = model.model.embed_tokens.weight.dtype
         self.shape = native.DecoderShape(
             c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
             c.intermediate_size, c.rms_norm_eps,
