@@ -103,6 +103,17 @@ ALWAYS_INLINE void run_block(const void *x, const void *wp, void *y, int64_t N, 
 #define TILE_BLOCKS 3
 #define SLAB_ROWS 96
 
+/* A tile's results (row-major over its nb column blocks) into y, block by block. */
+ALWAYS_INLINE void store_tile(void *y, const v16 *acc, int64_t N, int64_t b, const int rows,
+                              const int nb, int bf16)
+{
+    for (int j = 0; j < nb; j++) {
+        v16 col[TILE_ROWS];
+        for (int m = 0; m < rows; m++) col[m] = acc[m * nb + j];
+        store_block(y, col, N, b + j, rows, bf16);
+    }
+}
+
 ALWAYS_INLINE void tile_f32(const float *x, const float *wp, float *y, int64_t N, int64_t K,
                             int64_t b, const int rows, const int nb)
 {
@@ -117,11 +128,7 @@ ALWAYS_INLINE void tile_f32(const float *x, const float *wp, float *y, int64_t N
             for (int j = 0; j < nb; j++) acc[m * nb + j] += xv * wk[j];
         }
     }
-    for (int j = 0; j < nb; j++) {
-        v16 col[TILE_ROWS];
-        for (int m = 0; m < rows; m++) col[m] = acc[m * nb + j];
-        store_block(y, col, N, b + j, rows, 0);
-    }
+    store_tile(y, acc, N, b, rows, nb, 0);
 }
 
 ALWAYS_INLINE void tile_bf16(const uint32_t *x, const uint32_t *wp, uint16_t *y, int64_t N,
@@ -147,11 +154,7 @@ ALWAYS_INLINE void tile_bf16(const uint32_t *x, const uint32_t *wp, uint16_t *y,
 #endif
         }
     }
-    for (int j = 0; j < nb; j++) {
-        v16 col[TILE_ROWS];
-        for (int m = 0; m < rows; m++) col[m] = acc[m * nb + j];
-        store_block(y, col, N, b + j, rows, 1);
-    }
+    store_tile(y, acc, N, b, rows, nb, 1);
 }
 
 /* One tile: rows (a literal, <= TILE_ROWS) x nb column blocks from block b. */
