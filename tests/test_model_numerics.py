@@ -241,6 +241,36 @@ def test_fused_decode_step_equals_the_layer_loop(
         assert torch.equal(fused_kv, loop_kv)
 
 
+def test_fused_decode_refuses_what_does_not_fit(tiny_hf_model) -> None:  # type: ignore[no-untyped-def]
+    """decode_layers checks what it is handed before any native code runs: tables of the wrong
+    shape or type, rows the layout does not have, a dtype it does not run."""
+    require_native_kernels()
+    model = load_causal_lm(str(tiny_hf_model("llama-gqa-llama3rope").path))
+    fused = model.fused_decode()
+    assert fused is not None
+    session = Session(model)
+    slots = [session.prefill(random_ids(6, seed=110 + i)) for i in range(2)]
+    layout = native.DecodeLayout([torch.from_numpy(s) for s in slots], [])
+    h = torch.zeros(2, model.config.hidden_size)
+    rope = (torch.zeros(2, 1, model.config.head_dim), torch.zeros(2, 1, model.config.head_dim))
+    out_slots = torch.tensor([0, 1])
+    kv = session.pool.layer_addresses()
+
+    def attempt(h: torch.Tensor, weights: torch.Tensor) -> None:
+        fused.kernels.decode_layers(
+            h, weights, kv, fused.final_norm, fused.shape, rope, out_slots, torch.float32, layout
+        )
+
+    with pytest.raises(ValueError, match="tables"):
+        attempt(h, fused.weights[:1])  # one layer's row for a two-layer model
+    with pytest.raises(ValueError, match="tables"):
+        attempt(h, fused.weights.float())
+    with pytest.raises(ValueError, match="layout"):
+        attempt(h[:1], fused.weights)  # the layout has two requests
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        attempt(h.half(), fused.weights)
+
+
 @pytest.mark.parametrize("variant", ["llama-mha-tied-bias", "qwen3-gqa-qknorm"])
 def test_fused_decode_is_not_used_where_it_does_not_apply(tiny_hf_model, variant: str) -> None:  # type: ignore[no-untyped-def]
     """Biases and q/k norms are not in the native layer loop: those models keep the Python one
