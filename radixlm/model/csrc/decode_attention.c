@@ -169,8 +169,10 @@ ALWAYS_INLINE void attend_keys(const KeySource *src, const float *q, int64_t n,
    the memory becomes the limit. */
 #define ROWS 8
 
-/* The tree's lane order: lane 4q + r holds key q + 4r, and key j lands in lane LANE_KEYS[j]. */
-static const int32_t LANE_KEYS[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+/* The tree's lane order: lane 4q + r holds key q + 4r, so key j lands in lane LANE_KEYS[j] and
+   lane L holds key LANE_KEYS[L] (the permutation is its own inverse). */
+static const int32_t LANE_KEYS[16] __attribute__((aligned(64))) = {0, 4, 8,  12, 1, 5, 9,  13,
+                                                                    2, 6, 10, 14, 3, 7, 11, 15};
 
 ALWAYS_INLINE v16 widen16(const char *row, int64_t d, const int bf16)
 {
@@ -215,7 +217,8 @@ ALWAYS_INLINE void rows_chunk(const char *const *k_rows, const char *const *v_ro
                               const int dots)
 {
     const int64_t nv = D / 16;
-    const i16 key_of_lane = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+    i16 key_of_lane;
+    memcpy(&key_of_lane, LANE_KEYS, sizeof key_of_lane);
     float p[ROWS][16];
     float alpha[ROWS];
     for (int i = 0; i < nr; i++) {
