@@ -114,35 +114,25 @@ ALWAYS_INLINE void store_tile(void *y, const v16 *acc, int64_t N, int64_t b, con
     }
 }
 
-ALWAYS_INLINE void tile_f32(const float *x, const float *wp, float *y, int64_t N, int64_t K,
-                            int64_t b, const int rows, const int nb)
+/* One tile: rows (a literal, <= TILE_ROWS) x nb column blocks from block b. Each k step (a pair
+   of k in bfloat16) loads nb 64-byte slices of W and multiplies them into every row. */
+ALWAYS_INLINE void run_tile(const char *x, const void *wp, char *y, int64_t N, int64_t K,
+                            int64_t b, const int rows, const int nb, const int bf16)
 {
     v16 acc[TILE_ROWS * TILE_BLOCKS];
     for (int i = 0; i < rows * nb; i++) acc[i] = (v16){0};
-    const float *w = wp + b * K * 16;
-    for (int64_t k = 0; k < K; k++) {
-        v16 wk[TILE_BLOCKS];
-        for (int j = 0; j < nb; j++) memcpy(&wk[j], w + j * K * 16 + k * 16, sizeof(v16));
-        for (int m = 0; m < rows; m++) {
-            const float xv = x[m * K + k];
-            for (int j = 0; j < nb; j++) acc[m * nb + j] += xv * wk[j];
-        }
-    }
-    store_tile(y, acc, N, b, rows, nb, 0);
-}
-
-ALWAYS_INLINE void tile_bf16(const uint32_t *x, const uint32_t *wp, uint16_t *y, int64_t N,
-                             int64_t K, int64_t b, const int rows, const int nb)
-{
-    v16 acc[TILE_ROWS * TILE_BLOCKS];
-    for (int i = 0; i < rows * nb; i++) acc[i] = (v16){0};
-    const int64_t half = K / 2;
-    const uint32_t *w = wp + b * half * 16;
-    for (int64_t k = 0; k < half; k++) {
+    const int64_t steps = bf16 ? K / 2 : K; /* 16 lanes of one float, or of one bfloat16 pair */
+    const u16x32 *w = (const u16x32 *)wp + b * steps;
+    for (int64_t k = 0; k < steps; k++) {
         u16x32 wk[TILE_BLOCKS];
-        for (int j = 0; j < nb; j++) memcpy(&wk[j], w + j * half * 16 + k * 16, sizeof(u16x32));
+        for (int j = 0; j < nb; j++) memcpy(&wk[j], w + j * steps + k, sizeof(u16x32));
         for (int m = 0; m < rows; m++) {
-            const uint32_t pair = x[m * half + k];
+            if (!bf16) {
+                const float xv = ((const float *)x)[m * K + k];
+                for (int j = 0; j < nb; j++) acc[m * nb + j] += xv * (v16)wk[j];
+                continue;
+            }
+            const uint32_t pair = ((const uint32_t *)x)[m * steps + k];
 #if defined(__AVX512BF16__)
             const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
             for (int j = 0; j < nb; j++)
@@ -154,27 +144,19 @@ ALWAYS_INLINE void tile_bf16(const uint32_t *x, const uint32_t *wp, uint16_t *y,
 #endif
         }
     }
-    store_tile(y, acc, N, b, rows, nb, 1);
+    store_tile(y, acc, N, b, rows, nb, bf16);
 }
 
-/* One tile: rows (a literal, <= TILE_ROWS) x nb column blocks from block b. */
-ALWAYS_INLINE void run_tile(const char *x, const void *wp, char *y, int64_t N, int64_t K,
-                            int64_t b, const int rows, const int nb, int bf16)
-{
-    if (bf16) tile_bf16((const uint32_t *)x, wp, (uint16_t *)y, N, K, b, rows, nb);
-    else tile_f32((const float *)x, wp, (float *)y, N, K, b, rows, nb);
-}
-
-#define TILE_ROWS_CASES(NB)                                                                      \
+#define TILE_ROWS_CASES(NB, BF)                                                                    \
     switch (rows) {                                                                              \
-    case 1: run_tile(xr, wp, yr, N, K, b, 1, NB, bf16); break;                                   \
-    case 2: run_tile(xr, wp, yr, N, K, b, 2, NB, bf16); break;                                   \
-    case 3: run_tile(xr, wp, yr, N, K, b, 3, NB, bf16); break;                                   \
-    case 4: run_tile(xr, wp, yr, N, K, b, 4, NB, bf16); break;                                   \
-    case 5: run_tile(xr, wp, yr, N, K, b, 5, NB, bf16); break;                                   \
-    case 6: run_tile(xr, wp, yr, N, K, b, 6, NB, bf16); break;                                   \
-    case 7: run_tile(xr, wp, yr, N, K, b, 7, NB, bf16); break;                                   \
-    default: run_tile(xr, wp, yr, N, K, b, TILE_ROWS, NB, bf16); break;                          \
+    case 1: run_tile(xr, wp, yr, N, K, b, 1, NB, BF); break;                                     \
+    case 2: run_tile(xr, wp, yr, N, K, b, 2, NB, BF); break;                                     \
+    case 3: run_tile(xr, wp, yr, N, K, b, 3, NB, BF); break;                                     \
+    case 4: run_tile(xr, wp, yr, N, K, b, 4, NB, BF); break;                                     \
+    case 5: run_tile(xr, wp, yr, N, K, b, 5, NB, BF); break;                                     \
+    case 6: run_tile(xr, wp, yr, N, K, b, 6, NB, BF); break;                                     \
+    case 7: run_tile(xr, wp, yr, N, K, b, 7, NB, BF); break;                                     \
+    default: run_tile(xr, wp, yr, N, K, b, TILE_ROWS, NB, BF); break;                            \
     }
 
 static void tiled_linear(const void *x, const void *wp, void *y, int64_t M, int64_t N, int64_t K,
@@ -193,12 +175,19 @@ static void tiled_linear(const void *x, const void *wp, void *y, int64_t M, int6
                 const int rows = m1 - m < TILE_ROWS ? (int)(m1 - m) : TILE_ROWS;
                 const char *xr = (const char *)x + m * K * elem;
                 char *yr = (char *)y + m * N * elem;
-                if (nb == 3) {
-                    TILE_ROWS_CASES(3)
+                /* literal row and block counts and dtype: registers, unrolled, no branches */
+                if (bf16 && nb == 3) {
+                    TILE_ROWS_CASES(3, 1)
+                } else if (bf16 && nb == 2) {
+                    TILE_ROWS_CASES(2, 1)
+                } else if (bf16) {
+                    TILE_ROWS_CASES(1, 1)
+                } else if (nb == 3) {
+                    TILE_ROWS_CASES(3, 0)
                 } else if (nb == 2) {
-                    TILE_ROWS_CASES(2)
+                    TILE_ROWS_CASES(2, 0)
                 } else {
-                    TILE_ROWS_CASES(1)
+                    TILE_ROWS_CASES(1, 0)
                 }
             }
         }
