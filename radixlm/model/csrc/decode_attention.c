@@ -112,10 +112,10 @@ ALWAYS_INLINE void update_block(const char *const *k_rows, const char *const *v_
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < count; j++) {
-            s[j] = expf(s[j] - top);
+            s[j] = exp2f(s[j] - top);
             sum += s[j];
         }
-        const float alpha = expf(m[i] - top); /* 0 on the first chunk */
+        const float alpha = exp2f(m[i] - top); /* 0 on the first chunk */
         l[i] = l[i] * alpha + sum;
         m[i] = top;
         for (int64_t c = 0; c < nv; c++) { /* rescale what the earlier chunks gave */
@@ -244,9 +244,9 @@ ALWAYS_INLINE void rows_chunk(const char *const *k_rows, const char *const *v_ro
         if (count < 16) s = where_below(key_of_lane, (int32_t)count, s, (v16){0} + NO_SCORE);
         const float block_top = hmax16(s);
         const float top = block_top > m[i] ? block_top : m[i];
-        v16 e = exp16(s - top);
+        v16 e = exp2_16(s - top);
         if (count < 16) e = where_below(key_of_lane, (int32_t)count, e, (v16){0});
-        alpha[i] = top > m[i] ? exp16((v16){0} + (m[i] - top))[0] : 1.0f;
+        alpha[i] = top > m[i] ? exp2_1(m[i] - top) : 1.0f;
         l[i] = l[i] * alpha[i] + hsum16(e);
         m[i] = top;
         store16(p[i], e);
@@ -402,8 +402,8 @@ int decode_attention(const float *q, const void *k, const void *v, float *out, i
 {
     if (num_heads % num_kv_heads != 0) return 1;
     if (head_dim % 16 != 0 || head_dim > 16 * MAX_VECTORS) return 2; /* whole vectors */
-    const Batch batch = {q,     out,    num_heads, num_heads / num_kv_heads, scale, units, shared,
-                         own,   member_row, slots};
+    const Batch batch = {q,     out,    num_heads, num_heads / num_kv_heads, scale * LOG2E, units,
+                         shared, own, member_row, slots}; /* scores in log2 units: exp2 */
     const int64_t elem = kv_mode ? 2 : 4;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t t = 0; t < num_units * num_kv_heads; t++) {

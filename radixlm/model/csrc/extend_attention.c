@@ -115,7 +115,8 @@ int extend_attention(const float *q, const void *k, const void *v, float *out, i
     if (head_dim % 16 != 0) return 2; /* rows are whole vectors of 16 floats */
     const int64_t head_bytes = head_dim * (kv_mode ? 2 : 4);
     const Batch batch = {q,         out,       k, v, num_heads, num_heads / num_kv_heads,
-                         num_kv_heads * head_bytes, head_bytes, scale, spans, slots};
+                         num_kv_heads * head_bytes, head_bytes, scale * LOG2E, spans, slots};
+    /* scores in log2 units: the softmax takes exp2 (flash_tile.h) */
     int64_t num_tasks = 0;
     for (int64_t s = 0; s < num_spans; s++) num_tasks += (spans[4 * s + 1] + TILE - 1) / TILE;
     num_tasks *= num_kv_heads;

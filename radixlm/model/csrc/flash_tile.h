@@ -35,6 +35,7 @@
 #define KB 32           /* keys per block */
 #define R 8             /* query rows per register group */
 #define NO_SCORE -1e30f /* "minus infinity" that -ffast-math may not assume away */
+#define LOG2E 1.44269504f /* scores times this are in log2 units: e^x = 2^(x log2 e) */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 typedef float v16 __attribute__((vector_size(64)));
@@ -133,68 +134,99 @@ ALWAYS_INLINE float hsum16(v16 x)
     return x[0];
 }
 
-/* e^x for x <= 0, inline (a libm call per 16 scores cost as much as the scores): x = n ln2 + r,
-   |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial (relative error ~1e-7), 2^n added to the
-   exponent bits. Below -87 the result is ~1e-38 rather than 0: negligible next to e^0 = 1,
-   which the row's maximum contributes. */
-ALWAYS_INLINE v16 exp16(v16 x)
+/* Scores are kept in log2 units (the kernels fold log2(e) into the softmax scale), so the
+   softmax takes 2^t: t = n + f with n the nearest integer, |f| <= 1/2, 2^f by a degree-5
+   polynomial (a relative-error fit, ~2e-7 evaluated in float32), times 2^n. AVX-512 rounds
+   and scales in one instruction each (vrndscaleps, vscalefps: 2^-1e30 is 0); elsewhere t is
+   clamped at -125 and 2^n is added to the exponent bits, leaving ~1e-38 for 0: negligible next
+   to the row maximum's 2^0 = 1. Half the instructions of the e^x it replaced (range reduction
+   in two parts, a degree-6 polynomial): the exponentials were 15% of a prefill block. */
+ALWAYS_INLINE v16 exp2_16(v16 t)
 {
-    x = max16(x, (v16){0} - 87.0f);
-    const i16 n = __builtin_convertvector(x * 1.44269504f - 0.5f, i16); /* round, for x <= 0 */
-    const v16 fn = __builtin_convertvector(n, v16);
-    const v16 r = x - fn * 0.693359375f + fn * 2.12194440e-4f; /* ln2 in two parts */
-    v16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return (v16)((i16)p + (n << 23));
+#if defined(__AVX512F__)
+    const v16 n = (v16)_mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    t = max16(t, (v16){0} - 125.0f);
+    const i16 ni = __builtin_convertvector(t + select16(t < 0, (v16){0} - 0.5f, (v16){0} + 0.5f), i16);
+    const v16 n = __builtin_convertvector(ni, v16);
+#endif
+    const v16 f = t - n;
+    v16 p = 1.32774445e-3f * f + 9.67588369e-3f;
+    p = p * f + 5.55071309e-2f;
+    p = p * f + 2.40221128e-1f;
+    p = p * f + 6.93146944e-1f;
+    p = p * f + 1.00000012f;
+#if defined(__AVX512F__)
+    return (v16)_mm512_scalef_ps((__m512)p, (__m512)n);
+#else
+    return (v16)((i16)p + (ni << 23));
+#endif
 }
 
-/* The online-softmax step of R rows over a block's scores x (R rows of KB, in NV vectors):
-   masks keys j >= count and, per row, j > limit[r] - key0; updates m and l; rescales a row's
-   acc when its running max moved (after the first blocks it seldom does); leaves the
-   probabilities in x. Stage by stage over the rows, so the rows' dependency chains (a max
-   tree, the exponentials, a sum tree) overlap instead of running one after another. */
+/* exp2_16 of one number. */
+ALWAYS_INLINE float exp2_1(float t) { return exp2_16((v16){0} + t)[0]; }
+
+/* 1 when some lane of x exceeds bound. */
+ALWAYS_INLINE int any_above(v16 x, float bound)
+{
+#if defined(__AVX512F__)
+    return _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(bound), _CMP_GT_OQ) != 0;
+#else
+    int any = 0;
+    for (int i = 0; i < 16; i++) any |= x[i] > bound;
+    return any;
+#endif
+}
+
+/* The online-softmax step of R rows over a block's raw scores x (R rows of KB, in NV vectors;
+   sc * x is in log2 units): masks keys j >= count and, per row, j > limit[r] - key0; updates m
+   and l; leaves the probabilities in x.
+
+   Lazy rescaling (as FlashAttention-4 does on GPUs): a row's running max m moves only when some
+   score of the block exceeds it by more than RESCALE_AT, so probabilities up to 2^RESCALE_AT
+   are let through (float32 holds them, and P V, l and acc scale alike; out = acc / l is
+   unchanged). After the first blocks a row seldom moves, and the block then costs one compare
+   per vector instead of a max tree and a rescale of acc. When it moves, m becomes the block's
+   exact max. Stage by stage over the rows, so the rows' dependency chains (the exponentials,
+   the sum trees) overlap instead of running one after another. */
 #define NV (KB / 16)
+#define RESCALE_AT 8.0f
 ALWAYS_INLINE void softmax_rows(v16 x[R][NV], int64_t count, int64_t key0, const int64_t *limit,
-                                float *m, float *l, float *acc, const int64_t D)
+                                float *m, float *l, float *acc, const int64_t D, const float sc)
 {
     const i16 lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    float top[R];
+    int moved[R];
     for (int r = 0; r < R; r++) {
         const int64_t last = limit[r] - key0;
         const int64_t end = last + 1 < count ? last + 1 : count; /* keys j < end are visible */
         if (end < KB)
             for (int c = 0; c < NV; c++)
                 x[r][c] = where_below(lanes + 16 * c, (int32_t)end, x[r][c], (v16){0} + NO_SCORE);
+        const float bound = (m[r] + RESCALE_AT) / sc; /* sc > 0 */
+        moved[r] = 0;
+        for (int c = 0; c < NV; c++) moved[r] |= any_above(x[r][c], bound);
     }
     for (int r = 0; r < R; r++) {
+        if (!moved[r]) continue;
         v16 top16 = x[r][0];
         for (int c = 1; c < NV; c++) top16 = max16(top16, x[r][c]);
-        const float block_top = hmax16(top16);
-        top[r] = block_top > m[r] ? block_top : m[r];
+        const float top = hmax16(top16) * sc; /* > m[r] + RESCALE_AT */
+        const float alpha = exp2_1(m[r] - top); /* 0 on the first block */
+        l[r] *= alpha;
+        m[r] = top;
+        float *a = acc + r * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) a[d] *= alpha;
     }
     v16 sum[R];
     for (int r = 0; r < R; r++) {
         sum[r] = (v16){0};
         for (int c = 0; c < NV; c++) {
-            x[r][c] = exp16(x[r][c] - top[r]);
+            x[r][c] = exp2_16(x[r][c] * sc - m[r]);
             sum[r] += x[r][c];
         }
     }
-    for (int r = 0; r < R; r++) {
-        if (top[r] > m[r]) { /* the running max moved: rescale what the earlier blocks gave */
-            const float alpha = exp16((v16){0} + (m[r] - top[r]))[0];
-            l[r] *= alpha;
-            m[r] = top[r];
-            float *a = acc + r * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; d++) a[d] *= alpha;
-        }
-        l[r] += hsum16(sum[r]);
-    }
+    for (int r = 0; r < R; r++) l[r] += hsum16(sum[r]);
 }
 
 /* acc[:, c0 .. c0 + 16 * nc) += P V for R rows; the slab's accumulators stay in registers. */
@@ -233,7 +265,7 @@ ALWAYS_INLINE void block_rows(const float *qs, const float *kt, const float *vb,
             for (int c = 0; c < NV; c++) s[r][c] += qv * kd[c];
         }
     }
-    softmax_rows(s, count, key0, limit, m, l, acc, D);
+    softmax_rows(s, count, key0, limit, m, l, acc, D, 1.0f); /* q is pre-scaled */
     float p[R][KB];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < NV; c++) store16(p[r] + c * 16, s[r][c]);
@@ -329,9 +361,7 @@ ALWAYS_INLINE void block_rows_bf16(const pair_t *qs, const pair_t *kt, const pai
             for (int c = 0; c < NV; c++) s[r][c] = dot_pairs(s[r][c], kd[c], qv);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < NV; c++) s[r][c] *= scale;
-    softmax_rows(s, count, key0, limit, m, l, acc, D);
+    softmax_rows(s, count, key0, limit, m, l, acc, D, scale);
     pair_t pp[R][KB / 2];
     for (int r = 0; r < R; r++) {
         for (int c = 0; c < NV / 2; c++) { /* 32 probabilities -> 16 pairs, in key order */
