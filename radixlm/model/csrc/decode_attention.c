@@ -221,7 +221,8 @@ ALWAYS_INLINE void rows_chunk(const char *const *k_rows, const char *const *v_ro
     memcpy(&key_of_lane, LANE_KEYS, sizeof key_of_lane);
     float p[ROWS][16];
     float alpha[ROWS];
-    for (int i = 0; i < nr; i++) {
+    v16 s[ROWS];
+    for (int i = 0; i < nr; i++) { /* the scores of every row first: their chains overlap */
         const float *q = qs + i * D;
         const void *q2 = dots ? (const char *)qp + i * D * 2 : NULL;
         __m512 y[8];
@@ -238,22 +239,31 @@ ALWAYS_INLINE void rows_chunk(const char *const *k_rows, const char *const *v_ro
             w[j] = _mm512_add_ps(
                 (__m512)_mm512_unpacklo_pd((__m512d)z[2 * j], (__m512d)z[2 * j + 1]),
                 (__m512)_mm512_unpackhi_pd((__m512d)z[2 * j], (__m512d)z[2 * j + 1]));
-        v16 s = (v16)_mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88),
-                                   _mm512_shuffle_ps(w[0], w[1], 0xDD));
-        if (dots) s *= scale;
-        if (count < 16) s = where_below(key_of_lane, (int32_t)count, s, (v16){0} + NO_SCORE);
-        const float block_top = hmax16(s);
-        const float top = block_top > m[i] ? block_top : m[i];
-        v16 e = exp2_16(s - top);
-        if (count < 16) e = where_below(key_of_lane, (int32_t)count, e, (v16){0});
-        alpha[i] = top > m[i] ? exp2_1(m[i] - top) : 1.0f;
-        l[i] = l[i] * alpha[i] + hsum16(e);
+        s[i] = (v16)_mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88),
+                                  _mm512_shuffle_ps(w[0], w[1], 0xDD));
+        if (dots) s[i] *= scale;
+        if (count < 16) s[i] = where_below(key_of_lane, (int32_t)count, s[i], (v16){0} + NO_SCORE);
+    }
+    int moved = 0;
+    for (int i = 0; i < nr; i++) { /* lazy rescaling, as in flash_tile.h's softmax_rows */
+        alpha[i] = 1.0f;
+        if (!any_above(s[i], m[i] + RESCALE_AT)) continue;
+        const float top = hmax16(s[i]); /* > m[i] + RESCALE_AT */
+        alpha[i] = exp2_1(m[i] - top);
+        l[i] *= alpha[i];
         m[i] = top;
+        moved = 1;
+    }
+    for (int i = 0; i < nr; i++) {
+        v16 e = exp2_16(s[i] - m[i]);
+        if (count < 16) e = where_below(key_of_lane, (int32_t)count, e, (v16){0});
+        l[i] += hsum16(e);
         store16(p[i], e);
     }
     v16 a[ROWS][MAX_VECTORS];
     for (int i = 0; i < nr; i++)
-        for (int64_t c = 0; c < nv; c++) a[i][c] = load16(acc + i * D + 16 * c) * alpha[i];
+        for (int64_t c = 0; c < nv; c++)
+            a[i][c] = moved ? load16(acc + i * D + 16 * c) * alpha[i] : load16(acc + i * D + 16 * c);
     for (int j = 0; j < 16; j++) {
         const int lane = LANE_KEYS[j];
         for (int64_t c = 0; c < nv; c++) {
