@@ -19,7 +19,7 @@ from radixlm.model import native, shared_prefix
 from radixlm.model.forward_batch import ForwardBatch, ForwardMode
 from radixlm.model.loader import load_causal_lm
 from radixlm.model.shared_prefix import find_shared_prefixes
-from radixlm.model.transformer import CausalLM
+from radixlm.model.transformer import CausalLM, DecoderLayer
 
 TOLERANCE = 1e-4
 SEQ_LEN = 24
@@ -239,6 +239,41 @@ def test_fused_decode_step_equals_the_layer_loop(
         assert fused_calls == 4  # the paths compared are the ones meant
         assert torch.equal(fused_logits, loop_logits)
         assert torch.equal(fused_kv, loop_kv)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_trimmed_last_layer_equals_the_full_layer(
+    tiny_hf_model, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A prefill chunk's last layer on the logits rows only (trim_last_layer) gives the same bits
+    as on every row: logits and every K/V row written, for requests with and without a cached
+    prefix and with 1 to 44 new tokens, and decode rows riding along (the decode kernel in
+    both)."""
+    require_native_kernels()
+    model = load_causal_lm(str(tiny_hf_model("llama-gqa-llama3rope").path), dtype=dtype)
+    trimmed = []
+    real = DecoderLayer.forward_rows
+    monkeypatch.setattr(
+        DecoderLayer, "forward_rows", lambda self, *a: trimmed.append(1) or real(self, *a)
+    )
+    runs = []
+    for trim in (True, False):
+        model.trim_last_layer = trim
+        trimmed.clear()
+        session = Session(model, seed=5)
+        shared = session.prefill(random_ids(16, seed=80))
+        news = [random_ids(n, seed=81 + n) for n in (7, 44, 1, 12)]
+        first, slots = session.forward(news, [shared, shared, shared, EMPTY], all_logits=False)
+        tails = [[3], random_ids(9, seed=95)]
+        riding, _ = session.forward(tails, [slots[0], slots[3]], all_logits=False)
+        pool = session.pool
+        kv = [torch.stack([pool.k_cache(i), pool.v_cache(i)]) for i in range(pool.num_layers)]
+        runs.append((first, riding, torch.stack(kv), len(trimmed)))
+    (first, riding, kv, calls), (full_first, full_riding, full_kv, full_calls) = runs
+    assert (calls, full_calls) == (3, 0)  # the shared prefill, then both steps, were trimmed
+    assert torch.equal(first, full_first)
+    assert torch.equal(riding, full_riding)
+    assert torch.equal(kv, full_kv)
 
 
 def test_fused_decode_refuses_what_does_not_fit(tiny_hf_model) -> None:  # type: ignore[no-untyped-def]

@@ -112,7 +112,7 @@ def test_health_answers_fast_during_a_long_prefill(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     path = save_tiny_chat_model(
-        tmp_path_factory.mktemp("wider"), context_len=4096, hidden=256, num_layers=4
+        tmp_path_factory.mktemp("wider"), context_len=4096, hidden=256, num_layers=8
     )
     scheduler = SchedulerConfig(chunk_size=4096, max_batch_tokens=4096)
     with live_server(path, cache=CacheConfig(num_slots=8192), scheduler=scheduler) as server:

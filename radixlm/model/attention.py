@@ -125,6 +125,31 @@ class AttentionPlan:
         v_buffer = torch.empty_like(k_buffer)
         return cls(kernels, spans, native_spans, decode, k_buffer, v_buffer)
 
+    def last_rows(self, batch: ForwardBatch) -> AttentionPlan:
+        """This plan for one query row per request, its last new token, in request order (for
+        a last layer trimmed to the logits rows): decode members as here (the same kernel,
+        the same bits), every other request a one-token span over all its slots, prefix and
+        new tokens, already in the pool (the extend kernel gives such a row the bits it gives
+        it inside its tile). Native kernels only."""
+        assert self.kernels is not None and not self.spans
+        members = [
+            i
+            for i, (prefix_len, extend_len) in enumerate(zip(batch.prefix_lens, batch.extend_lens))
+            if extend_len == 1 and prefix_len > 0
+        ]
+        decode = None
+        if self.decode is not None:
+            rows = torch.tensor(members, dtype=torch.int64, device=batch.input_ids.device)
+            decode = DecodeGroup(rows, self.decode.layout, None, None)
+        decoding = set(members)
+        spans = [
+            (i, 1, len(slots) - 1, slots)
+            for i, slots in enumerate(batch.seq_slots)
+            if i not in decoding
+        ]
+        native_spans = ExtendLayout(spans) if spans else None
+        return AttentionPlan(self.kernels, [], native_spans, decode, self.k_buffer, self.v_buffer)
+
 
 def _extend_span(
     slots: torch.Tensor, prefix_len: int, extend_len: int, start: int, num_kv_heads: int
