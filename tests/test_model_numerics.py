@@ -278,7 +278,8 @@ def test_trimmed_last_layer_equals_the_full_layer(
 
 def test_fused_decode_refuses_what_does_not_fit(tiny_hf_model) -> None:  # type: ignore[no-untyped-def]
     """decode_layers checks what it is handed before any native code runs: tables of the wrong
-    shape or type, rows the layout does not have, a dtype it does not run."""
+    shape or type, rows the layout does not have, a dtype it does not run, K/V strides of no
+    pool layout."""
     require_native_kernels()
     model = load_causal_lm(str(tiny_hf_model("llama-gqa-llama3rope").path))
     fused = model.fused_decode()
@@ -291,10 +292,13 @@ def test_fused_decode_refuses_what_does_not_fit(tiny_hf_model) -> None:  # type:
     out_slots = torch.tensor([0, 1])
     kv = session.pool.layer_addresses()
 
-    def attempt(h: torch.Tensor, weights: torch.Tensor) -> None:
+    def attempt(
+        h: torch.Tensor, weights: torch.Tensor, strides: tuple[int, int] = session.pool.kv_strides()
+    ) -> None:
         fused.kernels.decode_layers(
-            h, weights, kv, fused.final_norm, fused.shape, rope, out_slots, torch.float32, layout
-        )
+            h, weights, kv, strides, fused.final_norm, fused.shape, rope, out_slots,
+            torch.float32, layout,
+        )  # fmt: skip
 
     with pytest.raises(ValueError, match="tables"):
         attempt(h, fused.weights[:1])  # one layer's row for a two-layer model
@@ -304,6 +308,9 @@ def test_fused_decode_refuses_what_does_not_fit(tiny_hf_model) -> None:  # type:
         attempt(h[:1], fused.weights)  # the layout has two requests
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         attempt(h.half(), fused.weights)
+    head_dim = model.config.head_dim
+    with pytest.raises(ValueError, match="strides"):
+        attempt(h, fused.weights, (head_dim, head_dim))  # heads on top of each other
 
 
 @pytest.mark.parametrize("variant", ["llama-mha-tied-bias", "qwen3-gqa-qknorm"])

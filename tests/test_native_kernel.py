@@ -266,14 +266,53 @@ def test_shared_runs_become_units() -> None:
     assert layout.slots[:50].tolist() == run.tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_major_pool_views_give_the_same_bits(dtype: torch.dtype) -> None:
+    """The kernels read and write a head-major pool layer (KVPool on CPU: a strided view) as
+    they do a slot-major one: the same outputs, bit for bit, and the same K/V written."""
+    kernels = require_native_kernels()
+    gen = torch.Generator().manual_seed(3)
+    num_slots, num_kv_heads, num_heads, head_dim = 90, 2, 6, 32
+    k = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen).to(dtype)
+
+    def head_major(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(0, 1).contiguous().transpose(0, 1)  # same values, (kv, slots) storage
+
+    layouts = [(k, v), (head_major(k), head_major(v))]
+    assert not layouts[1][0].is_contiguous()
+    slots = torch.randperm(num_slots, generator=gen)[:40]
+    q = torch.randn(3, num_heads, head_dim, generator=gen).to(dtype)
+    decode = native.DecodeLayout([slots[:30], slots[:25], slots[30:]], [([0, 1], 20)])
+    outs = [kernels.decode(q, kc, vc, decode) for kc, vc in layouts]
+    assert torch.equal(outs[0], outs[1])
+    qe = torch.randn(12, num_heads, head_dim, generator=gen).to(dtype)
+    extend = native.ExtendLayout([(0, 7, 13, slots[:20]), (7, 5, 0, slots[20:25])])
+    outs = [kernels.extend(qe, kc, vc, extend) for kc, vc in layouts]
+    assert torch.equal(outs[0], outs[1])
+    qkv = torch.randn(4, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    rope = (torch.rand(4, 1, head_dim, generator=gen), torch.rand(4, 1, head_dim, generator=gen))
+    new_slots = slots[-4:]
+    before = k.clone()
+    outs = [kernels.rope_store(qkv, rope, new_slots, kc, vc, num_heads) for kc, vc in layouts]
+    assert not torch.equal(k[new_slots], before[new_slots])  # written
+    assert torch.equal(k[slots[:-4]], before[slots[:-4]])  # and nothing else
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(layouts[0][0], layouts[1][0]) and torch.equal(layouts[0][1], layouts[1][1])
+
+
 def test_bad_inputs_are_refused() -> None:
     kernels = require_native_kernels()
     k = torch.zeros(8, 2, 16)
     layout = native.DecodeLayout([torch.arange(3)], [])
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         kernels.decode(torch.zeros(1, 4, 16), k.double(), k.double(), layout)
-    with pytest.raises(ValueError, match="contiguous"):
+    with pytest.raises(ValueError, match="slot- or head-major"):
         kernels.decode(torch.zeros(1, 4, 16), k[::2], k[::2], layout)
+    with pytest.raises(ValueError, match="strides"):  # K and V laid out differently
+        kernels.decode(
+            torch.zeros(1, 4, 16), k, k.transpose(0, 1).contiguous().transpose(0, 1), layout
+        )
     with pytest.raises(ValueError, match="do not divide"):
         kernels.decode(torch.zeros(1, 3, 16), k, k, layout)
     spans = native.ExtendLayout([(0, 2, 1, torch.arange(3))])

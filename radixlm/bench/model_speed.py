@@ -136,8 +136,10 @@ def _decode_timer(
     model(ForwardBatch.build([context], [np.zeros(0, dtype=np.int64)], [first]), pool)
     seqs = [first] + [pool.alloc(n) for _ in range(batch_size - 1)]
     for slots in seqs[1:]:  # the same context, copied into each request's own slots
-        pool.k[:, torch.from_numpy(slots)] = pool.k[:, torch.from_numpy(first)]
-        pool.v[:, torch.from_numpy(slots)] = pool.v[:, torch.from_numpy(first)]
+        to, src = torch.from_numpy(slots), torch.from_numpy(first)
+        for layer in range(pool.num_layers):
+            for cache in (pool.k_cache(layer), pool.v_cache(layer)):
+                cache[to] = cache[src]
     tokens = [[context[-1]]] * batch_size
 
     def decode_steps() -> float:

@@ -1,6 +1,7 @@
 """Gathering K/V out of the pool: runs of slots into a padded (N, kv_heads, L, D) layout.
 
-The pool is read as rows of one head, (num_slots * kv_heads, D), so gathered K/V come out
+The pool is read as rows of one head, (num_slots * kv_heads, D) (or, head-major, (kv_heads *
+num_slots, D)), so gathered K/V come out
 contiguous in SDPA's (batch, kv_heads, len, D) order. Gathers write into buffers allocated once
 per forward and reused by every layer (a fresh 24 MB tensor per layer costs more in page faults
 than the copy itself).
@@ -37,9 +38,7 @@ class PaddedRuns:
 
     def gather(self, cache: torch.Tensor, buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """cache (num_slots, kv, D) -> (N, kv, L, D), written into the front of `buffer`."""
-        rows = self.gather_rows
-        out = buffer[: rows.numel()]
-        torch.index_select(cache.view(-1, cache.shape[-1]), 0, rows, out=out)
+        out = gather_rows(cache, self.gather_rows, buffer)
         return out.view(self.num_runs, cache.shape[1], self.length, cache.shape[2]).to(dtype)
 
 
@@ -53,7 +52,16 @@ def head_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 def gather_rows(cache: torch.Tensor, rows: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """cache (num_slots, kv, D) -> its head rows `rows` (rows, D), in the front of `buffer`."""
+    """cache (num_slots, kv, D) -> its head rows `rows` (rows, D), in the front of `buffer`.
+
+    A head-major pool's view (KVPool) is read through its (kv * num_slots, D) rows: head row
+    slot * kv + h is row h * num_slots + slot there."""
     out = buffer[: rows.numel()]
-    torch.index_select(cache.view(-1, cache.shape[-1]), 0, rows, out=out)
+    num_slots, num_kv_heads, head_dim = cache.shape
+    if cache.is_contiguous():
+        torch.index_select(cache.view(-1, head_dim), 0, rows, out=out)
+    else:
+        by_head = cache.transpose(0, 1).view(-1, head_dim)  # raises unless head-major
+        rows = rows % num_kv_heads * num_slots + rows // num_kv_heads
+        torch.index_select(by_head, 0, rows, out=out)
     return out

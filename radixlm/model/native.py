@@ -94,14 +94,16 @@ class Kernels:
 
     def __init__(self, lib: ctypes.CDLL):
         p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        # q k v out, H KV D, bf16, scale, count of units or spans
-        common: list[Any] = [p, p, p, p, i64, i64, i64, i32, f32, i64]
+        # q k v out, H KV D, K/V slot and head strides, bf16, scale, count of units or spans
+        common: list[Any] = [p, p, p, p, i64, i64, i64, i64, i64, i32, f32, i64]
         self._decode = lib.decode_attention
         self._decode.argtypes = [*common, p, p, p, p, p, i32]
         self._extend = lib.extend_attention
         self._extend.argtypes = [*common, p, p, i32]
         self._rope_store = lib.rope_store
-        self._rope_store.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, p, p, i32, i32, p, i32]
+        self._rope_store.argtypes = [
+            p, i64, i64, i64, i64, i64, i64, i64, p, p, p, p, p, i32, i32, p, i32
+        ]  # fmt: skip
         self._add_rms_norm = lib.add_rms_norm
         self._add_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32, i32]
         self._silu_mul = lib.silu_mul
@@ -109,7 +111,8 @@ class Kernels:
         self._skinny = lib.skinny_linear
         self._skinny.argtypes = [p, p, p, i64, i64, i64, i32, i32]
         self._decode_layers = lib.decode_layers
-        model: list[Any] = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, f32, i32, i32, f32]
+        model: list[Any] = [p, p, p, p, i64, i64, p, i64, i64, i64, i64, i64, i64, i64, f32, i32]
+        model += [i32, f32]
         step: list[Any] = [p, p, p, i64, p, p, p, p, p, i32]  # rope, out_slots, layout, threads
         self._decode_layers.argtypes = [*model, *step]
         for fn in (
@@ -194,6 +197,7 @@ class Kernels:
         h: torch.Tensor,
         weights: torch.Tensor,
         kv: torch.Tensor,
+        kv_strides: tuple[int, int],
         final_norm: torch.Tensor,
         shape: DecoderShape,
         rope: tuple[torch.Tensor, torch.Tensor],
@@ -205,7 +209,8 @@ class Kernels:
         embeddings, becomes the residual stream after the last layer (in place); returns the
         final norm of it. `weights` (num_layers, 6) int64 holds each layer's weight addresses
         (input norm, packed Wqkv, packed Wo, post-attention norm, packed Wgate_up, packed
-        Wdown), `kv` (num_layers, 2) its K and V pool views' (KVPool.layer_addresses); rope as
+        Wdown), `kv` (num_layers, 2) its K and V pool views' (KVPool.layer_addresses), whose
+        slot and head strides (elements) are `kv_strides` (KVPool.kv_strides); rope as
         rope_store takes it; one token per request of `layout`."""
         num_rows = h.shape[0]
         if h.dtype not in KV_DTYPES or not h.is_contiguous() or kv_dtype not in KV_DTYPES:
@@ -215,13 +220,19 @@ class Kernels:
             raise ValueError(f"decode_layers: {num_rows} rows, tables {weights.shape} {kv.shape}")
         if layout.member_row.numel() != num_rows:
             raise ValueError("decode_layers: the layout's requests are not h's rows")
+        d, slot, head = shape.head_dim, *kv_strides
+        if (slot, head) != (shape.num_kv_heads * d, d) and (slot != d or head % d or head <= d):
+            raise ValueError(
+                f"decode_layers: K/V strides {kv_strides}, neither slot- nor head-major"
+            )
         cos, sin = (t.contiguous() for t in rope)
         slots = out_slots.to(torch.int64).contiguous()
         bf16 = h.dtype == torch.bfloat16
         kv_mode = int(kv_dtype == torch.bfloat16) * (2 if bf16 else 1)
         x = torch.empty_like(h)
         status = self._decode_layers(
-            h.data_ptr(), x.data_ptr(), weights.data_ptr(), kv.data_ptr(), final_norm.data_ptr(),
+            h.data_ptr(), x.data_ptr(), weights.data_ptr(), kv.data_ptr(), *kv_strides,
+            final_norm.data_ptr(),
             shape.num_layers, num_rows, shape.hidden, shape.num_heads, shape.num_kv_heads,
             shape.head_dim, shape.intermediate, shape.eps, int(bf16), kv_mode,
             shape.head_dim**-0.5, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
@@ -268,15 +279,16 @@ class Kernels:
             raise ValueError("rope_store takes float32 or bfloat16 rows of the qkv projection")
         if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
             raise ValueError(f"qkv rows of {qkv.shape[1]} do not hold {num_heads} query heads")
-        if k_cache.dtype not in KV_DTYPES or not k_cache.is_contiguous():
-            raise ValueError("the native kernels read contiguous float32 or bfloat16 K/V")
+        if k_cache.dtype not in KV_DTYPES:
+            raise ValueError("the native kernels read float32 or bfloat16 K/V")
+        strides = kv_strides(k_cache, v_cache)
         q = qkv.new_empty(num_tokens, num_heads, head_dim)
         slots = out_slots.to(torch.int64).contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
         kv_bf16, qkv_bf16 = int(k_cache.dtype == torch.bfloat16), int(qkv.dtype == torch.bfloat16)
         status = self._rope_store(
             qkv.data_ptr(), num_tokens, qkv.stride(0), num_heads, num_kv_heads, head_dim,
-            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
+            *strides, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
             v_cache.data_ptr(), kv_bf16, qkv_bf16, q.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
@@ -327,6 +339,20 @@ def pack_skinny(weight: torch.Tensor) -> torch.Tensor | None:
     return w.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def kv_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
+    """(slot, head) strides in elements of a pool layer's K and V views (num_slots, kv, D): the
+    kernels take any layout whose head rows are contiguous and disjoint, as long as K and V
+    share it (KVPool's CPU pools are head-major, (kv, num_slots, D) underneath)."""
+    num_slots, num_kv_heads, head_dim = k_cache.shape
+    strides = k_cache.stride()
+    if v_cache.shape != k_cache.shape or v_cache.stride() != strides or strides[2] != 1:
+        raise ValueError(f"K/V pool views of strides {strides} and {v_cache.stride()}")
+    slot, head = strides[0], strides[1]
+    if (slot, head) not in ((num_kv_heads * head_dim, head_dim), (head_dim, num_slots * head_dim)):
+        raise ValueError(f"K/V pool views must be slot- or head-major: strides {strides}")
+    return slot, head
+
+
 def _attend(
     fn: Any,
     q: torch.Tensor,
@@ -340,8 +366,7 @@ def _attend(
     kernels may use bfloat16 dot products)."""
     if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"the native kernels read float32 or bfloat16 K/V: {k_cache.dtype}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the native kernels need contiguous K/V pool layers")
+    strides = kv_strides(k_cache, v_cache)
     if q.device.type != "cpu" or k_cache.device.type != "cpu":
         raise ValueError("the native kernels run on CPU tensors")
     num_heads, num_kv_heads, head_dim = q.shape[1], k_cache.shape[1], q.shape[2]
@@ -353,7 +378,7 @@ def _attend(
     out = torch.empty_like(q32)
     kv_mode = int(k_cache.dtype == torch.bfloat16) * (2 if q.dtype == torch.bfloat16 else 1)
     tensors = (q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr())
-    shape = (num_heads, num_kv_heads, head_dim, kv_mode, head_dim**-0.5, count)
+    shape = (num_heads, num_kv_heads, head_dim, *strides, kv_mode, head_dim**-0.5, count)
     status = fn(*tensors, *shape, *pointers, torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"{fn.__name__} failed ({status})")

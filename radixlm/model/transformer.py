@@ -289,8 +289,8 @@ class FusedDecode:
         """h (B, hidden) embeddings -> the final norm's output (B, hidden); h ends as the
         residual stream, as after the Python loop."""
         return self.kernels.decode_layers(
-            h, self.weights, pool.layer_addresses(), self.final_norm, self.shape, rope,
-            out_slots, pool.dtype, layout,
+            h, self.weights, pool.layer_addresses(), pool.kv_strides(), self.final_norm,
+            self.shape, rope, out_slots, pool.dtype, layout,
         )  # fmt: skip
 
 

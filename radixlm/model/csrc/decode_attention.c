@@ -24,7 +24,10 @@
    bfloat16 model, whose Q K^T, and the shared runs' P V, use bfloat16 dot products where the
    CPU has them)):
      q, out     (B, H, D)             B requests, H query heads; heads h*G .. h*G+G-1 read kv head h
-     k, v       (num_slots, KV, D)    one layer of the pool
+     k, v       (num_slots, KV, D)    one layer of the pool, as a view: slot s, kv head h at
+                                      element s * slot_stride + h * head_stride (KVPool keeps
+                                      its CPU pools head-major: slot_stride D, head_stride
+                                      num_slots * D, each head's rows contiguous)
      units      num_units + 1 offsets into the member arrays; unit u = members [units[u], units[u+1])
      shared     (num_units, 2)        offset into `slots` and length of the unit's shared run
      own        (B, 2)                offset and length of each member's own slots (after the run)
@@ -405,7 +408,8 @@ static void run_task_dispatch(const Batch *b, const KeySource *src, int64_t u, i
 }
 
 int decode_attention(const float *q, const void *k, const void *v, float *out, int64_t num_heads,
-                     int64_t num_kv_heads, int64_t head_dim, int kv_mode, float scale,
+                     int64_t num_kv_heads, int64_t head_dim, int64_t slot_stride,
+                     int64_t head_stride, int kv_mode, float scale,
                      int64_t num_units, const int64_t *units, const int64_t *shared,
                      const int64_t *own, const int64_t *member_row, const int64_t *slots,
                      int num_threads)
@@ -418,7 +422,7 @@ int decode_attention(const float *q, const void *k, const void *v, float *out, i
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t t = 0; t < num_units * num_kv_heads; t++) {
         const int64_t head = t % num_kv_heads;
-        const KeySource src = {k, v, num_kv_heads * head_dim * elem, head * head_dim * elem};
+        const KeySource src = {k, v, slot_stride * elem, head * head_stride * elem};
         run_task_dispatch(&batch, &src, t / num_kv_heads, head, head_dim, kv_mode);
     }
     return 0;

@@ -15,7 +15,8 @@
 
    Tasks write disjoint output rows and run in parallel on PyTorch's OpenMP pool.
 
-   Layouts: q, out (T, H, D) float32; k, v (num_slots, KV, D) float32 (kv_mode 0) or bfloat16
+   Layouts: q, out (T, H, D) float32; k, v (num_slots, KV, D) views (slot s, kv head h at element
+   s * slot_stride + h * head_stride, as decode_attention.c reads them) float32 (kv_mode 0) or bfloat16
    (kv_mode 1: float32 arithmetic; 2: a bfloat16 model, bfloat16 dot products where the CPU has
    them, else as 1); spans (num_spans, 4): first row in q/out, extend_len, prefix_len, offset of
    the request's prefix_len + extend_len slots in `slots`.
@@ -107,15 +108,16 @@ static void run_task_dispatch(const Batch *b, int64_t span, int64_t head, int64_
 }
 
 int extend_attention(const float *q, const void *k, const void *v, float *out, int64_t num_heads,
-                     int64_t num_kv_heads, int64_t head_dim, int kv_mode, float scale,
+                     int64_t num_kv_heads, int64_t head_dim, int64_t slot_stride,
+                     int64_t head_stride, int kv_mode, float scale,
                      int64_t num_spans, const int64_t *spans, const int64_t *slots,
                      int num_threads)
 {
     if (num_heads % num_kv_heads != 0) return 1;
     if (head_dim % 16 != 0) return 2; /* rows are whole vectors of 16 floats */
-    const int64_t head_bytes = head_dim * (kv_mode ? 2 : 4);
+    const int64_t elem = kv_mode ? 2 : 4;
     const Batch batch = {q,         out,       k, v, num_heads, num_heads / num_kv_heads,
-                         num_kv_heads * head_bytes, head_bytes, scale * LOG2E, spans, slots};
+                         slot_stride * elem, head_stride * elem, scale * LOG2E, spans, slots};
     /* scores in log2 units: the softmax takes exp2 (flash_tile.h) */
     int64_t num_tasks = 0;
     for (int64_t s = 0; s < num_spans; s++) num_tasks += (spans[4 * s + 1] + TILE - 1) / TILE;

@@ -5,13 +5,14 @@
    two dtype casts, two index_copy_): in a decode step of 8 tokens each costs more in dispatch
    than in arithmetic. Here it is one call per layer.
 
-   Layouts (contiguous):
+   Layouts (contiguous, but k and v):
      qkv        (T, row_stride) float32 or bfloat16 (qkv_bf16, a bfloat16 model): per token,
                 q (H * D), then k (KV * D), then v (KV * D); the arithmetic is float32
      cos, sin   (T, D) float32; sin carries rope's sign: rope(x)[d] = x[d] cos[d] + x[d ^ half] sin[d]
                 where d ^ half is the same position in the other half of the head
      out_slots  (T,) the pool slot each token's K/V goes to
-     k, v       (num_slots, KV, D) float32 or bfloat16 (rounded to nearest even, as PyTorch does)
+     k, v       (num_slots, KV, D) views, slot s and kv head h at element s * slot_stride +
+                h * head_stride; float32 or bfloat16 (rounded to nearest even, as PyTorch does)
      q_out      (T, H, D) in qkv's dtype
 */
 #include <stdint.h>
@@ -51,13 +52,14 @@ static inline const float *load_row(const void *src, int64_t at, int64_t D, int 
 }
 
 int rope_store(const void *qkv, int64_t num_tokens, int64_t row_stride, int64_t num_heads,
-               int64_t num_kv_heads, int64_t head_dim, const float *cos, const float *sin,
+               int64_t num_kv_heads, int64_t head_dim, int64_t slot_stride, int64_t head_stride,
+               const float *cos, const float *sin,
                const int64_t *out_slots, void *k, void *v, int kv_bf16, int qkv_bf16,
                void *q_out, int num_threads)
 {
     const int64_t D = head_dim, elem = kv_bf16 ? 2 : 4, q_elem = qkv_bf16 ? 2 : 4;
     if (D % 2 != 0 || D > 1024) return 1;
-    const int64_t slot_bytes = num_kv_heads * D * elem;
+    const int64_t slot_bytes = slot_stride * elem, head_bytes = head_stride * elem;
     /* Threads only when there is enough work to pay for waking them (a prefill chunk). */
 #pragma omp parallel for num_threads(num_threads) if (num_tokens >= 64)
     for (int64_t t = 0; t < num_tokens; t++) {
@@ -72,8 +74,8 @@ int rope_store(const void *qkv, int64_t num_tokens, int64_t row_stride, int64_t 
         const int64_t k_at = t * row_stride + num_heads * D, v_at = k_at + num_kv_heads * D;
         for (int64_t h = 0; h < num_kv_heads; h++) {
             rotate(load_row(qkv, k_at + h * D, D, qkv_bf16, x), c, s, rotated, D);
-            store_row(rotated, k_slot + h * D * elem, D, kv_bf16);
-            void *v_dst = v_slot + h * D * elem;
+            store_row(rotated, k_slot + h * head_bytes, D, kv_bf16);
+            void *v_dst = v_slot + h * head_bytes;
             if (kv_bf16 == qkv_bf16) /* the same dtype: a plain copy */
                 memcpy(v_dst, (const char *)qkv + (v_at + h * D) * q_elem, (size_t)(D * elem));
             else
