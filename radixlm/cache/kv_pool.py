@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from radixlm import hugepages
+
 
 class OutOfSlotsError(RuntimeError):
     """Raised when more slots are asked for than are free."""
@@ -93,12 +95,14 @@ class KVPool:
     ) -> None:
         self.allocator = SlotAllocator(num_slots)
         self.head_major = torch.device(device).type == "cpu"
-        if self.head_major:
+        if self.head_major:  # and on huge pages where Linux allows (see radixlm.hugepages)
             shape = (num_layers, num_kv_heads, num_slots, head_dim)
+            self.k = hugepages.zeros(shape, dtype)
+            self.v = hugepages.zeros(shape, dtype)
         else:
             shape = (num_layers, num_slots, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

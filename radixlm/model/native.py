@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from radixlm import hugepages
+
 log = logging.getLogger(__name__)
 
 SOURCES = [
@@ -326,17 +328,28 @@ class ExtendLayout:
         self.pointers = (self.spans.data_ptr(), self.slots.data_ptr())  # alive with the tensors
 
 
-def pack_skinny(weight: torch.Tensor) -> torch.Tensor | None:
-    """A dense (out, in) weight in skinny_linear's layout: blocks of 16 output columns, k-major
-    inside (float32 (out/16, in, 16); bfloat16 (out/16, in/2, 16, 2)). None where the kernel
-    does not apply: another dtype or device, out not a multiple of 16, in odd."""
+def can_pack_skinny(weight: torch.Tensor) -> bool:
+    """Whether skinny_linear takes this (out, in) weight: float32 or bfloat16 on the CPU, out a
+    multiple of 16, in even."""
     n, k = weight.shape
-    if weight.dtype not in KV_DTYPES or weight.device.type != "cpu" or n % 16 or k % 2:
+    return weight.dtype in KV_DTYPES and weight.device.type == "cpu" and not n % 16 and not k % 2
+
+
+def pack_skinny(weight: torch.Tensor, arena: hugepages.Arena | None = None) -> torch.Tensor | None:
+    """A dense (out, in) weight in skinny_linear's layout: blocks of 16 output columns, k-major
+    inside (float32 (out/16, in, 16); bfloat16 (out/16, in/2, 16, 2)), in a tensor of its own
+    or taken from `arena`. None where the kernel does not apply (see can_pack_skinny)."""
+    if not can_pack_skinny(weight):
         return None
+    n, k = weight.shape
     w = weight.detach()
     if w.dtype == torch.float32:
-        return w.reshape(n // 16, 16, k).transpose(1, 2).contiguous()
-    return w.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        packed = w.reshape(n // 16, 16, k).transpose(1, 2)
+    else:
+        packed = w.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3)
+    if arena is None:
+        return packed.contiguous()
+    return arena.take(tuple(packed.shape), packed.dtype).copy_(packed)
 
 
 def kv_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm import hugepages
 from radixlm.cache.kv_pool import KVPool
 from radixlm.model import native, packed_linear
 from radixlm.model.arch import ArchConfig
@@ -73,11 +74,14 @@ class Linear(nn.Module):
             return y if self.bias is None else y + self.bias
         return packed_linear.linear(x, self.weight, self.bias)
 
-    def pack(self, kernels: native.Kernels | None = None) -> None:
+    def pack(
+        self, kernels: native.Kernels | None = None, arena: hugepages.Arena | None = None
+    ) -> None:
         """Hold the weight in oneDNN's blocked layout (see packed_linear); unties a tied one.
-        With `kernels`, also keep it in the skinny kernel's layout, which forward then uses."""
+        With `kernels`, also keep it in the skinny kernel's layout (in `arena` if given), which
+        forward then uses."""
         if kernels is not None:
-            self.skinny = native.pack_skinny(self.weight)
+            self.skinny = native.pack_skinny(self.weight, arena)
             self.skinny_kernels = kernels if self.skinny is not None else None
         self.weight = nn.Parameter(packed_linear.pack_weight(self.weight), False)
 
@@ -339,9 +343,17 @@ class CausalLM(nn.Module):
         if not packed_linear.can_pack(weight.device, weight.dtype):
             return False
         kernels = native.kernels() if self.native_kernels else None
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack(kernels)
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        arena = None
+        if kernels is not None:  # every skinny weight in one huge-page allocation: streamed
+            sizes = [
+                hugepages.Arena.size_of(m.weight.numel(), m.weight.dtype)
+                for m in linears
+                if native.can_pack_skinny(m.weight)
+            ]
+            arena = hugepages.Arena(sum(sizes))
+        for module in linears:
+            module.pack(kernels, arena)
         self._fused = False
         return True
 
