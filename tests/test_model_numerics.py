@@ -252,9 +252,9 @@ def test_trimmed_last_layer_equals_the_full_layer(
     require_native_kernels()
     model = load_causal_lm(str(tiny_hf_model("llama-gqa-llama3rope").path), dtype=dtype)
     trimmed = []
-    real = DecoderLayer.forward_rows
-    monkeypatch.setattr(
-        DecoderLayer, "forward_rows", lambda self, *a: trimmed.append(1) or real(self, *a)
+    real = DecoderLayer.forward
+    monkeypatch.setattr(  # a call with `rows` (the 8th argument) is a trimmed layer
+        DecoderLayer, "forward", lambda self, *a: trimmed.extend(a[7:]) or real(self, *a)
     )
     runs = []
     for trim in (True, False):

@@ -134,7 +134,11 @@ class Attention(nn.Module):
         out_slots: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
         plan: AttentionPlan,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """K/V of every token of x into the pool; the attention output (T, hidden), or with
+        `rows` (native kernels only) that of those rows, (R, hidden), `plan` being theirs
+        (AttentionPlan.last_rows)."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
         k_cache, v_cache = kv
@@ -142,7 +146,10 @@ class Attention(nn.Module):
             # rope on q and k, and the K/V write into the pool, in one native call (float32
             # cos/sin: see CausalLM.forward)
             q = plan.kernels.rope_store(qkv, rope, out_slots, k_cache, v_cache, self.num_heads)
+            if rows is not None:
+                q = q.index_select(0, rows)
             return self.o_proj(attend(q, None, None, k_cache, v_cache, plan))
+        assert rows is None  # see CausalLM._row_plan
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, heads, D)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, kv_heads, D)
@@ -153,23 +160,6 @@ class Attention(nn.Module):
         k_cache.index_copy_(0, out_slots, k.to(k_cache.dtype))
         v_cache.index_copy_(0, out_slots, v.to(v_cache.dtype))
         return self.o_proj(attend(q, k, v, k_cache, v_cache, plan))
-
-    def forward_rows(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        out_slots: torch.Tensor,
-        kv: tuple[torch.Tensor, torch.Tensor],
-        rows: torch.Tensor,
-        row_plan: AttentionPlan,
-    ) -> torch.Tensor:
-        """K/V of every token of x into the pool; the attention output of `rows` only."""
-        assert row_plan.kernels is not None and self.q_norm is None  # see CausalLM._row_plan
-        k_cache, v_cache = kv
-        qkv = self.qkv_proj(x)
-        q = row_plan.kernels.rope_store(qkv, rope, out_slots, k_cache, v_cache, self.num_heads)
-        q = q.index_select(0, rows)
-        return self.o_proj(attend(q, None, None, k_cache, v_cache, row_plan))
 
 
 class MLP(nn.Module):
@@ -205,32 +195,20 @@ class DecoderLayer(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         plan: AttentionPlan,
         next_norm: RMSNorm,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x = input_layernorm(h), already applied; h, the residual stream, is updated in
-        place. Returns next_norm(h): the next layer's input norm, or the final norm."""
-        attn = self.self_attn(x, rope, out_slots, kv, plan)
+        place. Returns next_norm(h): the next layer's input norm, or the final norm.
+
+        With `rows` (the last layer of a prefill chunk: only the rows whose logits are wanted
+        go on; native kernels only, `plan` for those rows): every new token's K and V still go
+        to the pool, the rest runs on the rows alone; returns next_norm(h)[rows] (R, hidden)
+        and leaves h as it was."""
+        attn = self.self_attn(x, rope, out_slots, kv, plan, rows)
+        if rows is not None:
+            h = h.index_select(0, rows)
         x = self.post_attention_layernorm.add_forward(h, attn, plan.kernels)
         return next_norm.add_forward(h, self.mlp(x, plan.kernels), plan.kernels)
-
-    def forward_rows(
-        self,
-        x: torch.Tensor,
-        h: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        out_slots: torch.Tensor,
-        kv: tuple[torch.Tensor, torch.Tensor],
-        rows: torch.Tensor,
-        row_plan: AttentionPlan,
-        next_norm: RMSNorm,
-    ) -> torch.Tensor:
-        """The layer for some rows only (the last layer of a prefill chunk: only the rows whose
-        logits are wanted go on): every new token's K and V still go to the pool. Native
-        kernels only; `row_plan` attends the (R,) `rows`. Returns next_norm(h)[rows] (R,
-        hidden); h itself is left as it was."""
-        attn = self.self_attn.forward_rows(x, rope, out_slots, kv, rows, row_plan)
-        h_rows = h.index_select(0, rows)
-        x = self.post_attention_layernorm.add_forward(h_rows, attn, row_plan.kernels)
-        return next_norm.add_forward(h_rows, self.mlp(x, row_plan.kernels), row_plan.kernels)
 
 
 class Decoder(nn.Module):
@@ -410,8 +388,8 @@ class CausalLM(nn.Module):
         for i, (layer, next_norm) in enumerate(zip(layers, next_norms)):
             kv = (pool.k_cache(i), pool.v_cache(i))
             if row_plan is not None and i == len(layers) - 1:
-                rows, out_slots = batch.logits_indices, batch.out_slots
-                return layer.forward_rows(x, h, rope, out_slots, kv, rows, row_plan, next_norm)
+                rows = batch.logits_indices
+                return layer(x, h, rope, batch.out_slots, kv, row_plan, next_norm, rows)
             x = layer(x, h, rope, batch.out_slots, kv, plan, next_norm)
         return x
 
