@@ -1,9 +1,9 @@
 """Gathering K/V out of the pool: runs of slots into a padded (N, kv_heads, L, D) layout.
 
 The pool is read as rows of one head, (num_slots * kv_heads, D) (or, head-major, (kv_heads *
-num_slots, D)), so gathered K/V come out contiguous in SDPA's (batch, kv_heads, len, D) order. Gathers write into buffers allocated once
-per forward and reused by every layer (a fresh 24 MB tensor per layer costs more in page faults
-than the copy itself).
+num_slots, D)), so gathered K/V come out contiguous in SDPA's (batch, kv_heads, len, D) order.
+Gathers write into buffers allocated once per forward and reused by every layer (a fresh 24 MB
+tensor per layer costs more in page faults than the copy itself).
 """
 
 from __future__ import annotations
