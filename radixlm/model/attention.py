@@ -106,7 +106,7 @@ class AttentionPlan:
         for i, (slots, prefix_len, extend_len) in enumerate(
             zip(batch.seq_slots, batch.prefix_lens, batch.extend_lens)
         ):
-            if extend_len == 1 and prefix_len > 0:
+            if _decodes(prefix_len, extend_len):
                 one_token.append(i)
             elif kernels is not None:
                 for_kernel.append((start, extend_len, prefix_len, slots))
@@ -132,10 +132,9 @@ class AttentionPlan:
         new tokens, already in the pool (the extend kernel gives such a row the bits it gives
         it inside its tile). Native kernels only."""
         assert self.kernels is not None and not self.spans
+        lens = zip(batch.prefix_lens, batch.extend_lens)
         members = [
-            i
-            for i, (prefix_len, extend_len) in enumerate(zip(batch.prefix_lens, batch.extend_lens))
-            if extend_len == 1 and prefix_len > 0
+            i for i, (prefix_len, extend_len) in enumerate(lens) if _decodes(prefix_len, extend_len)
         ]
         decode = None
         if self.decode is not None:
@@ -149,6 +148,11 @@ class AttentionPlan:
         ]
         native_spans = ExtendLayout(spans) if spans else None
         return AttentionPlan(self.kernels, [], native_spans, decode, self.k_buffer, self.v_buffer)
+
+
+def _decodes(prefix_len: int, extend_len: int) -> bool:
+    """A request of the decode group: one new token on top of a prefix."""
+    return extend_len == 1 and prefix_len > 0
 
 
 def _extend_span(
