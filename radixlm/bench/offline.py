@@ -49,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.in_flight is not None and args.in_flight < 1:
         raise SystemExit(f"--in-flight must be at least 1, got {args.in_flight}")
+    from radixlm.bench.host import describe_host
     from radixlm.bench.report import plot_offline, print_offline
 
     modes = ["radix", "none"] if args.cache == "both" else [args.cache]
@@ -60,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "in_flight": args.in_flight,
         "model": args.model or "default (SmolLM2-135M-Instruct Q4_1)",
+        "host": describe_host(),
         "modes": {},
     }
     for mode in modes:

@@ -1,0 +1,271 @@
+"""docs/benchmarks.md and the README's headline table, regenerated from the benchmarks' JSON.
+
+    .venv/bin/python benchmarks/render_docs.py          # rewrite both
+    .venv/bin/python benchmarks/render_docs.py --check  # exit 1 if either is stale
+
+A new run is a new JSON file and a rerun of this script, never a hand edit: the sources are
+docs/bench/offline_*.json (`radixlm bench offline`), docs/bench/model_*.json (`radixlm bench
+model`), docs/bench/cache_vs_sglang.jsonl (`radixlm.bench.cache_compare`) and
+benchmarks/peers/results/runs/*.json (`benchmarks/peers/run.py`). Every table names the CPU its
+figures were measured on, from the "host" record in each file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "docs" / "bench"
+RUNS = REPO / "benchmarks" / "peers" / "results" / "runs"
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks" / "peers")]
+
+import report as peers  # noqa: E402  (benchmarks/peers/report.py)
+
+from radixlm.bench.host import cpu_label  # noqa: E402
+
+BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
+OURS = [("radixlm", "radixlm (float32, default)"), ("radixlm --dtype bfloat16", "radixlm bfloat16")]
+PEER_LABELS = {
+    "llama-server": "llama.cpp `llama-server`",
+    "llama-cpp-python": "llama-cpp-python",
+    "vllm": "vLLM CPU 0.32",
+    "transformers": "transformers `generate`",
+}
+OFFLINE_ORDER = ["gsp", "fewshot", "agent", "tot", "multiturn", "random"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if a page is out of date")
+    args = parser.parse_args()
+    readme_path, page_path = REPO / "README.md", REPO / "docs" / "benchmarks.md"
+    readme = splice(readme_path.read_text(), headline_table(peers.load(RUNS)))
+    page = benchmarks_page()
+    pages = ((readme_path, readme), (page_path, page))
+    stale = [p for p, text in pages if not p.exists() or p.read_text() != text]
+    if args.check:
+        for path in stale:
+            print(f"{path.relative_to(REPO)} is stale: run benchmarks/render_docs.py")
+        return 1 if stale else 0
+    readme_path.write_text(readme)
+    page_path.write_text(page)
+    return 0
+
+
+# ---- the README's headline ------------------------------------------------------------------
+def headline_table(runs: dict[tuple[str, str], Any]) -> str:
+    """Output tok/s of each engine at its best setting per workload, radixlm's two dtypes first;
+    in brackets the radixlm row of the same dtype over the peer (vLLM float32 against our
+    float32, vLLM bfloat16 against our bfloat16, every other peer against our float32)."""
+    workloads = [w for w in peers.WORKLOADS if any(wl == w for _, wl in runs)]
+    best = peers.best_per_family({k: v for k, v in runs.items() if k[0] not in dict(OURS)})
+    lines = [
+        "| output tok/s, 8 streams | " + " | ".join(workloads) + " |",
+        "|---|" + "---:|" * len(workloads),
+    ]
+    for engine, label in OURS:
+        cells = [_tok(runs.get((engine, w))) for w in workloads]
+        lines.append(f"| **{label}** | " + " | ".join(f"**{c}**" for c in cells) + " |")
+    rows: list[tuple[str, str]] = [
+        ("vllm", "vLLM CPU 0.32, float32"),
+        ("vllm --dtype bfloat16", "vLLM CPU 0.32, bfloat16"),
+    ]
+    for engine, label in rows:
+        ours = "radixlm --dtype bfloat16" if "bfloat16" in engine else "radixlm"
+        cells = [_versus(runs.get((ours, w)), runs.get((engine, w))) for w in workloads]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    for fam in ("llama-server", "llama-cpp-python", "transformers"):
+        cells = []
+        for w in workloads:
+            engine_run = best.get((fam, w))
+            cells.append(_versus(runs.get(("radixlm", w)), engine_run and engine_run[1]))
+        lines.append(f"| {PEER_LABELS[fam]} (best setting) | " + " | ".join(cells) + " |")
+    hosts = {cpu_label(r.get("host")) for (e, _), r in runs.items() if e in dict(OURS)}
+    caption = (
+        f"SmolLM2-135M-Instruct, each engine serving it on 127.0.0.1 with 2 threads; "
+        f"CPU: {'; '.join(sorted(hosts))}. In brackets: radixlm over that engine, radixlm "
+        "bfloat16 against vLLM bfloat16 and radixlm float32 against the rest (llama.cpp serves "
+        "the Q4_1 GGUF, the others its float32 dequantization)."
+    )
+    return "\n".join(lines) + "\n\n" + caption + "\n"
+
+
+def splice(readme: str, table: str) -> str:
+    """The README with the text between the headline markers replaced by `table`."""
+    if BEGIN not in readme or END not in readme:
+        raise SystemExit(f"README.md lacks the {BEGIN} / {END} markers")
+    head, rest = readme.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{table}{END}{tail}"
+
+
+# ---- docs/benchmarks.md -----------------------------------------------------------------------
+def benchmarks_page() -> str:
+    runs = peers.load(RUNS)
+    parts = [
+        "# Benchmarks\n",
+        "<!-- Generated by benchmarks/render_docs.py from docs/bench/*.json and "
+        "benchmarks/peers/results/runs/*.json: rerun it, do not edit. -->\n",
+        "Every figure below is read from the JSON its benchmark wrote; each section names the "
+        "command and the CPU. These hosts are shared and noisy: compare rows measured together, "
+        "and read ratios to the nearest ~5 %.\n",
+        "## Against other engines, served\n",
+        "`benchmarks/peers/run.py` serves SmolLM2-135M-Instruct with each engine and drives it "
+        "with the same client (`radixlm bench serve`: streamed `/v1/completions`, token-id "
+        "prompts, greedy, 32 output tokens, EOS ignored, 8 requests in flight); setup, versions "
+        "and pitfalls in [peers.md](peers.md).\n",
+        headline_table(runs),
+        "Every setting of every engine (`benchmarks/peers/report.py` draws the same data as "
+        "plots in `benchmarks/peers/results/`):\n",
+        peers.full_table(runs),
+        "![throughput](../benchmarks/peers/results/throughput.png)\n",
+        "## The radix cache against no cache, in the engine\n",
+        offline_section(),
+        "## Model speed against transformers\n",
+        model_section(),
+        "## The tree against SGLang's\n",
+        sglang_section(),
+    ]
+    return "\n".join(parts)
+
+
+def offline_section() -> str:
+    results = {}
+    for path in sorted(BENCH.glob("offline_*.json")):
+        result = json.loads(path.read_text())
+        results[result["workload"]] = result
+    lines = [
+        "`radixlm bench offline --workload W --cache both --json docs/bench/offline_W.json` "
+        "runs one workload through the engine with the radix cache, then with none, in one "
+        "process (default model, float32, all requests queued at once, greedy):\n",
+        "| workload (parameters) | radix req/s | none req/s | radix / none "
+        "| TTFT p50 radix / none | hit rate | prefill computed (radix / none / ideal) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    hosts = set()
+    for name in sorted(results, key=lambda w: [*OFFLINE_ORDER, w].index(w)):
+        result = results[name]
+        radix, none = result["modes"]["radix"], result["modes"]["none"]
+        params = ", ".join(f"{k}={v}" for k, v in result["params"].items())
+        lines.append(
+            f"| {name} ({params}) | {radix['requests_per_s']:.2f} | {none['requests_per_s']:.2f} "
+            f"| {radix['requests_per_s'] / none['requests_per_s']:.2f}x "
+            f"| {_s(radix['ttft_p50_ms'])} / {_s(none['ttft_p50_ms'])} "
+            f"| {radix['token_hit_rate']:.1%} | {radix['prefill_tokens']:,} / "
+            f"{none['prefill_tokens']:,} / {radix['ideal_prefill_tokens']:,} |"
+        )
+        hosts.add(_host_line(result.get("host")))
+    lines.append("\n" + "; ".join(sorted(hosts)) + ".\n")
+    return "\n".join(lines)
+
+
+def model_section() -> str:
+    blocks = [
+        "`radixlm bench model --json docs/bench/model_<variant>.json` times ours and "
+        "transformers on the same weights in one process, alternating rounds and keeping each "
+        "side's best; decode with a 1,024-token context per request. One block per kernel "
+        "variant (`RADIXLM_ISA`) and dtype.\n"
+    ]
+    for path in sorted(BENCH.glob("model_*.json")):
+        result = json.loads(path.read_text())
+        blocks.append(_model_block(path.name, result))
+    return "\n".join(blocks)
+
+
+def _model_block(name: str, result: dict[str, Any]) -> str:
+    variant = result.get("isa") or result.get("variant") or "native"
+    extra = "pytorch_tok_s" in json.dumps(result)
+    head = "| | ours | transformers | ours / transformers |" + (" PyTorch path |" if extra else "")
+    lines = [
+        f"**{variant}, {result.get('dtype', 'float32')}** ([`{name}`](bench/{name}); "
+        f"{_host_line(result.get('host'))}, {result.get('threads', '?')} threads):\n",
+        head,
+        "|---|---:|---:|---:|" + ("---:|" if extra else ""),
+    ]
+    for row in result["prefill"]:
+        ours, theirs = row["ours_tok_s"], row["transformers_tok_s"]
+        cells = [f"prefill {row['tokens']} tokens", f"{ours:,.0f} tok/s", f"{theirs:,.0f} tok/s"]
+        cells.append(f"{ours / theirs:.1f}x")
+        if extra:
+            cells.append(_opt(row.get("pytorch_tok_s"), "{:,.0f} tok/s"))
+        lines.append("| " + " | ".join(cells) + " |")
+    for row in result["decode"]:
+        ours, theirs = row["ours_ms"], row["transformers_ms"]
+        gb_s = f" ({row['ours_gb_s']:.0f} GB/s)" if "ours_gb_s" in row else ""
+        cells = [f"decode batch {row['batch']}", f"{ours:.1f} ms{gb_s}", f"{theirs:.1f} ms"]
+        cells.append(f"{theirs / ours:.1f}x")
+        if extra:
+            cells.append(_opt(row.get("pytorch_ms"), "{:.1f} ms"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def sglang_section() -> str:
+    path = BENCH / "cache_vs_sglang.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [
+        "`radixlm.bench.cache_compare` replays SGLang's own synthetic traces and the Mooncake "
+        "conversation trace through both trees in one process (tree time only: match + insert "
+        '+ evict + lock, 16 requests in flight); "SGLang driver" runs our tree behind SGLang\'s '
+        "driver and adapter interface, the stricter comparison:\n",
+        "| case | radixlm req/s | radixlm, SGLang driver | SGLang | speedup | hit rate "
+        "(radixlm / SGLang) | evict p50 µs (radixlm / SGLang) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ours, driven, theirs = (
+            r["radixlm_requests_per_s"],
+            r["radixlm_sglang_driver_requests_per_s"],
+            r["sglang_requests_per_s"],
+        )
+        evict = "–"
+        if r.get("radixlm_evict_p50_us") is not None:
+            evict = f"{r['radixlm_evict_p50_us']:.1f} / {r['sglang_evict_p50_us']:.1f}"
+        lines.append(
+            f"| {r['case']} | {ours:,.0f} | {driven:,.0f} | {theirs:,.0f} "
+            f"| {ours / theirs:.2f}x / {driven / theirs:.2f}x "
+            f"| {r['radixlm_hit_rate']:.4f} / {r['sglang_hit_rate']:.4f} | {evict} |"
+        )
+    hosts = {_host_line(r.get("host")) for r in rows}
+    impl = {r.get("sglang_impl", "?") for r in rows}
+    lines.append(f"\nSGLang: {', '.join(sorted(impl))}; {'; '.join(sorted(hosts))}.\n")
+    return "\n".join(lines)
+
+
+# ---- formatting -------------------------------------------------------------------------------
+def _host_line(host: dict[str, Any] | None) -> str:
+    label = cpu_label(host)
+    if host and host.get("commit"):
+        label += f", at commit {host['commit']}"
+    if host and host.get("recorded"):
+        label += f" ({host['recorded']})"
+    return label
+
+
+def _tok(run: dict[str, Any] | None) -> str:
+    return "–" if run is None else f"{run['summary']['output_tok_s']:.1f}"
+
+
+def _versus(ours: dict[str, Any] | None, theirs: dict[str, Any] | None) -> str:
+    if theirs is None:
+        return "–"
+    value = theirs["summary"]["output_tok_s"]
+    if ours is None:
+        return f"{value:.1f}"
+    return f"{value:.1f} ({ours['summary']['output_tok_s'] / value:.2f}x)"
+
+
+def _s(ms: float) -> str:
+    return f"{ms / 1000:.2f} s" if ms < 10_000 else f"{ms / 1000:.1f} s"
+
+
+def _opt(value: float | None, fmt: str) -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
