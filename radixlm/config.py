@@ -84,6 +84,7 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None  # when set, every /v1 route needs `Authorization: Bearer KEY`
     model_name: str | None = None  # the id /v1/models serves; None = from the model path
+    worker_id: str | None = None  # this replica's name in x-radixlm-worker; None = host:port
     retry_after_s: int = 1  # the Retry-After of a 503 when the waiting queue is full
     graceful_shutdown_s: float = 3.0  # open streams get this long after Ctrl-C, then abort
 
@@ -96,6 +97,10 @@ class ServerConfig:
             raise ValueError("api_key must be non-empty when given")
         if self.model_name is not None and not self.model_name:
             raise ValueError("model_name must be non-empty when given")
+        if self.worker_id is not None and not (
+            self.worker_id.isprintable() and self.worker_id.isascii() and self.worker_id.strip()
+        ):
+            raise ValueError(f"worker_id must be non-empty printable ASCII, got {self.worker_id!r}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         if self.graceful_shutdown_s < 0:

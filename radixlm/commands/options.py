@@ -44,6 +44,7 @@ _HELP = {
     "port": "the TCP port",
     "api_key": "require 'Authorization: Bearer KEY' on /v1 routes",
     "model_name": "the model id served by /v1/models (default: from --model)",
+    "worker_id": "this replica's name in each response's x-radixlm-worker (default: host:port)",
 }
 
 
@@ -106,7 +107,7 @@ def engine_configs(args: argparse.Namespace) -> EngineConfigs:
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(
-        parser, ServerConfig, "server", only=("host", "port", "api_key", "model_name")
+        parser, ServerConfig, "server", only=("host", "port", "api_key", "model_name", "worker_id")
     )
 
 

@@ -24,6 +24,7 @@ from radixlm.server.errors import APIError, install_error_handlers
 from radixlm.server.metrics import RequestCounterMiddleware
 from radixlm.server.openai_routes import openai_router
 from radixlm.server.state import ServerState
+from radixlm.server.worker_routes import WORKER_ROUTES, install_worker_routes
 
 ROUTES = frozenset(
     {
@@ -48,7 +49,10 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
     app.include_router(health_router(state))
     app.include_router(openai_router(state), dependencies=guarded)
     app.include_router(cache_router(state), dependencies=guarded)
-    app.add_middleware(RequestCounterMiddleware, metrics=state.metrics, routes=ROUTES)
+    install_worker_routes(app, state, guarded)  # what a gateway in front of replicas calls
+    app.add_middleware(
+        RequestCounterMiddleware, metrics=state.metrics, routes=ROUTES | WORKER_ROUTES
+    )
     return app
 
 
