@@ -1,17 +1,22 @@
 """`radixlm bench serve`: load an OpenAI-compatible server with a workload, over HTTP.
 
     python -m radixlm bench serve --base-url http://127.0.0.1:8000 --workload multiturn \\
-        --concurrency 64 [--rate R] [--disconnect-frac 0.2] [--json OUT]
+        --concurrency 64 [--rate R] [--disconnect-frac 0.2] [--prompt-format tokens|text|chat] \\
+        [--stream all|none|one-per-group] [--server-url URL ...] [--json OUT]
 
-Requests go out as streamed /v1/completions with token-id prompts, at most `concurrency` at once,
-arriving as a Poisson process of `rate` per second (all at once without it). A request with a
-parent waits for it and extends its actual output (multi-turn, tree of thought, agent loops).
-A `--disconnect-frac` share of the requests hang up at a random token, as impatient clients do.
+Requests go out as /v1/completions with token-id prompts, or as text or chat (`online_prompts`;
+gateways such as smg route on text and reject token ids), streamed unless told otherwise, at
+most `concurrency` at once, arriving as a Poisson process of `rate` per second (all at once
+without it). A request with a parent waits for it and extends its actual output (multi-turn,
+tree of thought, agent loops). A `--disconnect-frac` share of the streamed requests hang up at a
+random token, as impatient clients do.
 
 Reported: TTFT and inter-token latency p50/p99, throughput, errors by status (5xx counted apart),
-cached prompt tokens (from `usage`) and the prefill an ideal cache would compute; when the server
-is radixlm, also the prefill it did compute and its slot accounting once the load is gone
-(`/v1/cache`): a leaked slot would show as in-flight slots left with no request running.
+cached prompt tokens (from `usage`) and the prefill an ideal cache would compute; which replica
+served each request when the responses say (and so each prefix group's affinity); when the
+servers are radixlm (`--server-url`, one per replica behind a gateway; default the base URL),
+the prefill they computed and their slot accounting once the load is gone (`/v1/cache`): a
+leaked slot would show as in-flight slots left with no request running.
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ import sys
 import time
 from typing import Any
 
-from radixlm.bench.workloads import WORKLOADS, Workload, WorkloadProgress, ideal_prefill_tokens
+from radixlm.bench.online_prompts import PROMPT_FORMATS, PromptBook
+from radixlm.bench.workloads import WORKLOADS, CompletedRequest, Workload, ideal_prefill_tokens
 
 DEFAULT_SETTLE_S = 30.0  # how long the server gets to return every slot after the load
+STREAM_CHOICES = ("all", "none", "one-per-group")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +50,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--token-range", default="1000:30000", metavar="LO:HI",
         help="prompt token ids are drawn from [LO, HI): keep special tokens out",
     )  # fmt: skip
+    parser.add_argument(
+        "--prompt-format", choices=PROMPT_FORMATS, default="tokens",
+        help="token ids or text to /v1/completions, or messages to /v1/chat/completions",
+    )  # fmt: skip
+    parser.add_argument(
+        "--stream", choices=STREAM_CHOICES, default="all",
+        help="stream every request, none, or only the last of each prefix group",
+    )  # fmt: skip
+    parser.add_argument(
+        "--server-url", action="append", default=[], metavar="URL",
+        help="a radixlm server whose /v1/cache is read before and after; repeat for each "
+        "replica behind a gateway (default: --base-url)",
+    )  # fmt: skip
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight at most")
     parser.add_argument("--rate", type=float, default=None, help="arrivals per second (Poisson)")
     parser.add_argument(
@@ -50,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="workload, arrivals and disconnects")
     parser.add_argument("--no-ignore-eos", action="store_true", help="let the model stop early")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument(
         "--extra-body", default="{}", metavar="JSON",
         help='fields added to every request body, e.g. \'{"verbose": true}\' for llama-server',
@@ -95,16 +116,26 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
 
 
 async def run_bench(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
-    """Send the workload (children once their parent is done); return config, summary, cache."""
+    """Send the workload (children once their parent is done); return config, summary, the
+    servers' caches and one row per request."""
     import httpx
 
     from radixlm.bench.online_client import ClientOptions, RequestRecord, stream_completion
-    from radixlm.bench.online_stats import percentiles, summarize
+    from radixlm.bench.online_stats import (
+        merged_accounting,
+        percentiles,
+        replica_summary,
+        server_rows,
+        summarize,
+    )
 
     base = args.base_url.rstrip("/").removesuffix("/v1")
+    servers = [u.rstrip("/").removesuffix("/v1") for u in args.server_url] or [base]
     requests = workload.requests
+    book = PromptBook(workload, args.prompt_format)
+    streamed = _streamed(book.group, args.stream)
     limits = httpx.Limits(max_connections=args.concurrency + 8)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
         model = args.model or await _served_model(client, base, args.api_key)
         options = ClientOptions(
             base,
@@ -117,12 +148,11 @@ async def run_bench(args: argparse.Namespace, workload: Workload) -> dict[str, A
         arrivals = _arrivals(len(requests), args.rate, rng)
         disconnects = [
             rng.randint(1, max(1, r.output_len - 1))
-            if rng.random() < args.disconnect_frac
+            if rng.random() < args.disconnect_frac and streamed[i]
             else None
-            for r in requests
+            for i, r in enumerate(requests)
         ]
-        before = await _settled_cache(client, base, args.api_key)
-        progress = WorkloadProgress(workload)
+        before = await _settled_caches(client, servers, args.api_key)
         done = [asyncio.Event() for _ in requests]
         records: list[RequestRecord | None] = [None] * len(requests)
         slots = asyncio.Semaphore(args.concurrency)
@@ -133,20 +163,24 @@ async def run_bench(args: argparse.Namespace, workload: Workload) -> dict[str, A
             parent = requests[i].parent
             if parent is not None:
                 await done[parent].wait()
-            prompt = progress.prompt(i)
+            prompt = book.prompt(i)
             async with slots:
                 record = await stream_completion(
-                    client, options, str(i), prompt, requests[i].output_len, disconnects[i]
-                )
+                    client, options, str(i), prompt, requests[i].output_len, disconnects[i],
+                    stream=streamed[i],
+                )  # fmt: skip
             records[i] = record
-            progress.finish(i, record.output_ids)
+            book.finish(i, record.output_text, record.output_ids)
             done[i].set()
 
         await asyncio.gather(*(one(i) for i in range(len(requests))))
         duration = time.perf_counter() - start
-        cache = await _settled_cache(client, base, args.api_key)
-    summary = summarize([r for r in records if r is not None], duration, cache)
-    summary["ideal_prefill_tokens"] = ideal_prefill_tokens(progress.completed())
+        after = await _settled_caches(client, servers, args.api_key)
+    finished = [r for r in records if r is not None]
+    summary = summarize(finished, duration, merged_accounting(after))
+    summary["ideal_prefill_tokens"] = _ideal_prefill(book, finished)
+    rows = [_row(i, book.group[i], r) for i, r in enumerate(records) if r is not None]
+    summary.update(replica_summary(rows))
     if any(r.parent is not None for r in requests):  # multi-turn: first turns vs follow-ups
         for name, has_parent in (("root", False), ("followup", True)):
             ttft = [
@@ -157,15 +191,17 @@ async def run_bench(args: argparse.Namespace, workload: Workload) -> dict[str, A
                 and (request.parent is not None) == has_parent
             ]
             summary.update(percentiles(f"{name}_ttft", ttft))
-    if before is not None and cache is not None:  # radixlm: what the engine computed for it
-        summary["server_prefill_tokens"] = (
-            cache["engine_stats"]["prefill_tokens"] - before["engine_stats"]["prefill_tokens"]
-        )
+    summary["servers"] = server_rows(before, after)
+    if summary["servers"] and all(s["prefill_tokens"] is not None for s in summary["servers"]):
+        summary["server_prefill_tokens"] = sum(s["prefill_tokens"] for s in summary["servers"])
     config = {
         "base_url": base,
+        "server_urls": servers,
         "model": model,
         "workload": workload.name,
         "params": args.param,
+        "prompt_format": args.prompt_format,
+        "stream": args.stream,
         "concurrency": args.concurrency,
         "rate": args.rate,
         "disconnect_frac": args.disconnect_frac,
@@ -173,10 +209,37 @@ async def run_bench(args: argparse.Namespace, workload: Workload) -> dict[str, A
         "extra_body": args.extra_body,
         "num_requests": len(requests),
     }
-    return {"config": config, "summary": summary, "server_cache": cache}
+    return {"config": config, "summary": summary, "server_cache": after.get(servers[0]),
+            "server_caches": after, "requests": rows}  # fmt: skip
 
 
 # ---- helpers --------------------------------------------------------------------------------
+def _streamed(group: list[int], mode: str) -> list[bool]:
+    """Which requests stream: all, none, or the last request of each group."""
+    if mode != "one-per-group":
+        return [mode == "all"] * len(group)
+    last = {g: i for i, g in enumerate(group)}
+    return [last[g] == i for i, g in enumerate(group)]
+
+
+def _ideal_prefill(book: PromptBook, records: list[Any]) -> int | None:
+    """The ideal prefill in the server's tokens: from the workload's ids (tokens format), else
+    from the ids the server returned (None when it returned none)."""
+    if book.format == "tokens":
+        return ideal_prefill_tokens(book.progress.completed())
+    completed = [CompletedRequest(r.prompt_ids, r.output_ids) for r in records if r.prompt_ids]
+    return ideal_prefill_tokens(completed) if len(completed) == len(records) else None
+
+
+def _row(index: int, group: int, r: Any) -> dict[str, Any]:
+    return {
+        "index": index, "group": group, "worker": r.worker, "status": r.status,
+        "error": r.error, "streamed": r.streamed, "usage_then_done": r.usage_then_done,
+        "prompt_tokens": r.prompt_len, "cached_tokens": r.cached_tokens,
+        "output_tokens": r.num_output_tokens, "latency_s": r.latency_s,
+    }  # fmt: skip
+
+
 async def _served_model(client: Any, base: str, api_key: str | None) -> str:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     response = await client.get(f"{base}/v1/models", headers=headers)
@@ -184,14 +247,21 @@ async def _served_model(client: Any, base: str, api_key: str | None) -> str:
     return str(response.json()["data"][0]["id"])
 
 
+async def _settled_caches(
+    client: Any, urls: list[str], api_key: str | None
+) -> dict[str, dict[str, Any] | None]:
+    caches = await asyncio.gather(*(_settled_cache(client, u, api_key) for u in urls))
+    return dict(zip(urls, caches))
+
+
 async def _settled_cache(client: Any, base: str, api_key: str | None) -> dict[str, Any] | None:
     """radixlm's /v1/cache once no request is left (aborts land asynchronously); None when the
-    server has no such route."""
+    server has no such route or does not answer."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.perf_counter() + DEFAULT_SETTLE_S
     while True:
         try:
-            response = await client.get(f"{base}/v1/cache", headers=headers)
+            response = await client.get(f"{base}/v1/cache", headers=headers, timeout=10.0)
         except Exception:
             return None
         if response.status_code != 200:

@@ -52,6 +52,68 @@ def summarize(
     return summary
 
 
+def merged_accounting(caches: dict[str, dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The accounting of every server that answered, as one /v1/cache-like dict."""
+    answered = [c for c in caches.values() if c is not None]
+    if not answered:
+        return None
+    return {
+        "num_in_flight": sum(int(c.get("num_in_flight", 0)) for c in answered),
+        "accounting_ok": all(c.get("accounting_ok", False) for c in answered),
+        "idle": all(c.get("idle", False) for c in answered),
+    }
+
+
+def server_rows(
+    before: dict[str, dict[str, Any] | None], after: dict[str, dict[str, Any] | None]
+) -> list[dict[str, Any]]:
+    """Per server: the prefill it computed during the run, its accounting after it."""
+    rows = []
+    for url, cache in after.items():
+        start = before.get(url)
+        prefill = None
+        if cache is not None and start is not None:
+            prefill = (
+                cache["engine_stats"]["prefill_tokens"] - start["engine_stats"]["prefill_tokens"]
+            )
+        rows.append(
+            {
+                "url": url,
+                "answered": cache is not None,
+                "prefill_tokens": prefill,
+                "num_in_flight": None if cache is None else cache.get("num_in_flight"),
+                "num_tree_tokens": None if cache is None else cache.get("num_tree_tokens"),
+                "accounting_ok": None if cache is None else cache.get("accounting_ok"),
+                "idle": None if cache is None else cache.get("idle"),
+            }
+        )
+    return rows
+
+
+def replica_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Which replica served what (from the per-request rows' `worker`): each replica's share of
+    the completed requests, and per prefix group the share on its most used replica."""
+    served = [r for r in rows if r["status"] == 200 and r["error"] is None and r["worker"]]
+    by_worker = Counter(str(r["worker"]) for r in served)
+    groups: dict[int, Counter[str]] = {}
+    for r in served:
+        groups.setdefault(int(r["group"]), Counter())[str(r["worker"])] += 1
+    affinity: dict[str, dict[str, Any]] = {
+        str(g): {"worker": c.most_common(1)[0][0], "share": c.most_common(1)[0][1] / c.total(),
+                 "num_requests": c.total(), "by_worker": dict(c)}
+        for g, c in sorted(groups.items())
+    }  # fmt: skip
+    streams = [r for r in rows if r["streamed"] and r["status"] == 200 and r["error"] is None]
+    return {
+        "requests_by_worker": dict(by_worker),
+        "worker_share": {w: n / len(served) for w, n in by_worker.items()} if served else {},
+        "group_affinity": affinity,
+        "min_group_affinity": min((a["share"] for a in affinity.values()), default=None),
+        "num_streams": len(streams),
+        "num_streams_usage_then_done": sum(bool(r["usage_then_done"]) for r in streams),
+    }
+
+
 def percentiles(name: str, seconds: Sequence[float]) -> dict[str, float]:
     if not seconds:
         return {f"{name}_p50_ms": float("nan"), f"{name}_p99_ms": float("nan")}
@@ -83,9 +145,21 @@ def format_summary(s: dict[str, Any]) -> str:
         f"requests ({s['hit_rate']:.1%})",
     ]
     if s.get("server_prefill_tokens") is not None:
+        ideal = s.get("ideal_prefill_tokens")
         lines.append(
-            f"prefill       {s['server_prefill_tokens']} tokens computed by the server, "
-            f"{s['ideal_prefill_tokens']} for an ideal cache"
+            f"prefill       {s['server_prefill_tokens']} tokens computed by the server(s), "
+            f"{ideal if ideal is not None else 'unknown'} for an ideal cache"
+        )
+    if s.get("requests_by_worker"):
+        shares = ", ".join(f"{w} {x:.0%}" for w, x in sorted(s["worker_share"].items()))
+        lines.append(
+            f"replicas      {shares}; each prefix group on one replica for at least "
+            f"{s['min_group_affinity']:.0%} of its requests"
+        )
+    if s.get("num_streams"):
+        lines.append(
+            f"streams       {s['num_streams_usage_then_done']} of {s['num_streams']} ended "
+            "with a usage chunk (cached_tokens), then [DONE]"
         )
     if s.get("errors_by_status"):
         lines.append(f"errors        {s['errors_by_status']} {s['first_errors']}")
