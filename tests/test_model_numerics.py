@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 import torch
-from test_native_kernel import require_native_kernels
+from test_native_kernel import ISAS, require_native_kernels
 
 from radixlm.cache.kv_pool import KVPool
 from radixlm.model import native, shared_prefix
@@ -75,14 +75,24 @@ def assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
     assert diff <= TOLERANCE, f"max abs diff {diff:.2e} > {TOLERANCE:.0e}"
 
 
-@pytest.fixture(params=["native", "torch"], ids=["native-attention", "torch-attention"])
-def variant(each_tiny_hf_model, request):  # type: ignore[no-untyped-def]
+@pytest.fixture(params=ISAS, ids=[f"isa-{isa}" for isa in ISAS])
+def isa(request, monkeypatch) -> str:  # type: ignore[no-untyped-def]
+    """Each kernel variant this CPU can execute, forced for the test (RADIXLM_ISA)."""
+    monkeypatch.setenv("RADIXLM_ISA", request.param)
+    require_native_kernels(request.param)
+    return str(request.param)
+
+
+@pytest.fixture(params=[*ISAS, "torch"], ids=[*(f"native-{i}" for i in ISAS), "torch-attention"])
+def variant(each_tiny_hf_model, request, monkeypatch):  # type: ignore[no-untyped-def]
     """(our model, the transformers reference), once per flag combination and attention path
-    (the native kernels reading the pool in place; PyTorch SDPA over gathered K/V)."""
+    (the native kernels of each variant the CPU executes, reading the pool in place; PyTorch
+    SDPA over gathered K/V)."""
+    if request.param != "torch":
+        monkeypatch.setenv("RADIXLM_ISA", request.param)
+        require_native_kernels(request.param)
     model = load_causal_lm(str(each_tiny_hf_model.path))
-    model.native_kernels = request.param == "native"
-    if model.native_kernels:
-        require_native_kernels()
+    model.native_kernels = request.param != "torch"
     return model, each_tiny_hf_model.reference
 
 
@@ -200,7 +210,7 @@ def test_bfloat16_kv_decodes_sharing_a_prefix(
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32-kv", "bf16-kv"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_decode_step_equals_the_layer_loop(
-    tiny_hf_model, dtype: str, kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    tiny_hf_model, isa: str, dtype: str, kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
     """A pure decode step through FusedDecode (the layer loop in one native call) gives the same
     bits as the Python loop over the same kernels: logits and the K/V it writes, with requests
@@ -348,3 +358,29 @@ def test_decode_batch_with_a_one_token_prompt(variant) -> None:  # type: ignore[
 def test_decode_batch_is_decode_mode() -> None:
     batch = ForwardBatch.build([[1], [2]], [np.arange(3), np.arange(5)], [[7], [8]])
     assert batch.mode is ForwardMode.DECODE
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_outputs_with_and_without_the_cache_per_variant(
+    isa: str, dtype: str, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """Each kernel variant, end to end through the engine: greedy outputs are token for token
+    the same with the radix cache on (twice: cold, then warm) and off."""
+    from conftest import save_tiny_model
+    from test_engine import outputs, run, shared_prefix_prompts
+
+    from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
+    from radixlm.engine.engine import Engine
+
+    save_tiny_model("llama-gqa-llama3rope", tmp_path, max_position_embeddings=1024)
+
+    def make(cache: str) -> Engine:
+        model = ModelConfig(path=str(tmp_path), num_threads=1, dtype=dtype)  # type: ignore[arg-type]
+        return Engine(model, CacheConfig(num_slots=4096, cache=cache), SchedulerConfig())  # type: ignore[arg-type]
+
+    prompts = shared_prefix_prompts()
+    engine = make("radix")
+    assert engine.runner.model.native_kernels
+    reference = outputs(run(make("none"), prompts))
+    assert outputs(run(engine, prompts)) == reference
+    assert outputs(run(engine, prompts)) == reference  # warm: most prompts hit the cache

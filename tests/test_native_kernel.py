@@ -12,8 +12,6 @@ transformers through the whole decoder.
 from __future__ import annotations
 
 import logging
-import platform
-import shutil
 
 import pytest
 import torch
@@ -21,7 +19,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixlm.model import native
+from radixlm.model import native, native_abi, native_build
 from radixlm.model.arch import RopeConfig
 from radixlm.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from radixlm.model.shared_prefix import find_shared_prefixes
@@ -29,29 +27,26 @@ from radixlm.model.shared_prefix import find_shared_prefixes
 NUM_SLOTS = 4096
 
 
-def require_native_kernels() -> native.Kernels:
-    """The kernel; a test that needs it fails if a C compiler exists but the build does not work
-    (and is skipped, saying so, only on a machine without a compiler)."""
-    kernels = native.kernels()
+def require_native_kernels(isa: str | None = None) -> native.Kernels:
+    """The kernels (this process's variant, or `isa`); a test that needs them fails if a C
+    compiler exists but they did not build (and is skipped, saying so, only on a machine
+    without a compiler)."""
+    kernels = native.kernels() if isa is None else native.kernels_for(isa)
     if kernels is None:
-        if shutil.which("cc") is None and shutil.which("gcc") is None:
+        if native_build.compiler() is None:
             pytest.skip("no C compiler: the native kernel cannot be built here")
-        pytest.fail("a C compiler is present but the native kernels did not build")
+        pytest.fail(f"a C compiler is present but the {isa or 'native'} kernels did not build")
     return kernels
 
 
-@pytest.fixture(scope="module", params=["native", "haswell"], ids=["march-native", "march-avx2"])
+# Every variant this CPU can execute (native_build.py): an AVX-512 host checks all three.
+ISAS = [v.name for v in native_build.executable_variants()]
+
+
+@pytest.fixture(scope="module", params=ISAS)
 def built(request) -> native.Kernels:  # type: ignore[no-untyped-def]
-    """The kernels as this machine runs them, and built for AVX2 without AVX-512 (`haswell`),
-    the narrower vector code an older x86 CPU gets."""
-    kernels = require_native_kernels()
-    if request.param == "native":
-        return kernels
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the AVX2 build is for x86 CPUs")
-    avx2 = native.build_kernels("haswell")
-    assert avx2 is not None, "the AVX2 build failed where the native one works"
-    return avx2
+    """The kernels of each variant this CPU can execute."""
+    return require_native_kernels(request.param)
 
 
 def reference(
@@ -98,9 +93,11 @@ BF16_MODEL = (torch.bfloat16, torch.bfloat16)
 
 
 def check_bf16_dots(kernels: native.Kernels) -> None:
-    """The native build uses bfloat16 dot products wherever the CPU has them."""
-    if kernels is native.kernels() and "avx512_bf16" in native._cpu_flags().split():
-        assert kernels.bf16_dots, "this CPU has AVX512-BF16 but the native build does not use it"
+    """The avx512 build uses bfloat16 dot products wherever the CPU has them; no other does."""
+    if kernels.isa == "avx512" and "avx512_bf16" in native_build.cpu_flags():
+        assert kernels.bf16_dots, "this CPU has AVX512-BF16 but the avx512 build does not use it"
+    if kernels.isa != "avx512":
+        assert not kernels.bf16_dots
 
 
 @settings(max_examples=80, deadline=None)
@@ -334,27 +331,74 @@ def test_bfloat16_queries_come_back_bfloat16() -> None:
 
 
 def test_a_failed_build_falls_back_to_pytorch(monkeypatch, tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
-    """A compiler that fails: no kernels, a warning that says why, and no exception."""
+    """A compiler that fails: no kernels, an error naming the variant and the compiler, and
+    no exception."""
     monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path))
-    native.kernels.cache_clear()
+    native.kernels_for.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="radixlm.model.native"):
-            assert native.kernels() is None
-        assert "failed to build" in caplog.text and "false" in caplog.text
+            assert native.kernels_for("generic") is None
+        assert "generic native kernels failed to build" in caplog.text
+        assert "false" in caplog.text
+        assert any(r.levelno == logging.ERROR for r in caplog.records)
     finally:
         monkeypatch.undo()
-        native.kernels.cache_clear()
+        native.kernels_for.cache_clear()
 
 
 def test_disabled_by_environment(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("RADIXLM_NATIVE", "0")
-    native.kernels.cache_clear()
-    try:
-        assert native.kernels() is None
-    finally:
-        monkeypatch.delenv("RADIXLM_NATIVE")
-        native.kernels.cache_clear()
+    assert native.kernels() is None
+
+
+def test_isa_forced_by_environment(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """RADIXLM_ISA picks any variant the CPU executes, and refuses, saying why, one it cannot
+    or one that does not exist."""
+    for isa in ISAS:
+        monkeypatch.setenv("RADIXLM_ISA", isa)
+        assert native_build.chosen_variant().name == isa
+        assert require_native_kernels().isa == isa
+    monkeypatch.setenv("RADIXLM_ISA", "avx1024")
+    with pytest.raises(ValueError, match="not one of"):
+        native.kernels()
+    foreign = [v for v in native_build.VARIANTS if v not in ISAS]
+    if foreign:  # an AVX2-only host refuses avx512
+        monkeypatch.setenv("RADIXLM_ISA", foreign[0])
+        with pytest.raises(ValueError, match="cannot execute it"):
+            native.kernels()
+
+
+def test_the_best_variant_runs_by_default(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv("RADIXLM_ISA", raising=False)
+    assert native_build.chosen_variant().name == ISAS[0]
+    assert native_build.GENERIC.name in ISAS  # the portable build runs anywhere
+
+
+def test_a_refused_variant_names_what_the_cpu_lacks(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """On a CPU with AVX2 but no AVX-512 (pretended here), avx2 runs and avx512 is refused."""
+    avx2_only = native_build.AVX2.needs | {"sse2"}
+    monkeypatch.setattr(native_build, "cpu_flags", lambda: avx2_only)
+    monkeypatch.setattr(native_build, "X86", True)
+    monkeypatch.delenv("RADIXLM_ISA", raising=False)
+    assert [v.name for v in native_build.executable_variants()] == ["avx2", "generic"]
+    assert native_build.chosen_variant() is native_build.AVX2
+    monkeypatch.setenv("RADIXLM_ISA", "avx512")
+    with pytest.raises(ValueError, match="lacks avx512bw, avx512cd, avx512dq, avx512f"):
+        native_build.chosen_variant()
+
+
+def test_a_nonzero_status_raises_naming_the_function() -> None:
+    """The status check is attached once, to every function (native_abi.errcheck)."""
+    kernels = require_native_kernels()
+    x = torch.zeros(0, 16)
+    with pytest.raises(native_abi.NativeError, match="skinny_linear failed"):
+        kernels._fn["skinny_linear"](
+            x=x.data_ptr(), wp=x.data_ptr(), y=x.data_ptr(), M=0, N=16, K=16, bf16=0,
+            num_threads=1,
+        )  # fmt: skip
+    with pytest.raises(TypeError, match="missing"):
+        kernels._fn["skinny_linear"](x=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -64,28 +64,12 @@ ALWAYS_INLINE void prefetch_row(const char *k_row, const char *v_row, int64_t ro
     }
 }
 
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-#define MAX_VECTORS 16 /* head_dim up to 256 */
+#define MAX_VECTORS (256 / VL) /* head_dim up to 256 */
 
-/* Floats d .. d+16 of a K/V row as one vector (bfloat16 widened by a shift). */
-ALWAYS_INLINE v16 load_kv16(const char *row, int64_t d, const int bf16)
+/* Floats d .. d+VL of a K/V row as one vector (bfloat16 widened by a shift). */
+ALWAYS_INLINE vf load_kv(const char *row, int64_t d, const int bf16)
 {
-    if (bf16) {
-        u16x16 half;
-        memcpy(&half, row + 2 * d, sizeof half);
-        return (v16)(__builtin_convertvector(half, u32x16) << 16);
-    }
-    v16 x;
-    memcpy(&x, row + 4 * d, sizeof x);
-    return x;
-}
-
-ALWAYS_INLINE float sum16(v16 x)
-{
-    float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += x[i];
-    return s;
+    return bf16 ? load_bf16v((const uint16_t *)row + d) : loadv((const float *)row + d);
 }
 
 /* Online-softmax update of nb query rows (q, pre-scaled) with one chunk of keys; prefetches
@@ -98,17 +82,17 @@ ALWAYS_INLINE void update_block(const char *const *k_rows, const char *const *v_
                                 const char *const *next_k, const char *const *next_v,
                                 int64_t next_count)
 {
-    const int64_t nv = D / 16;
+    const int64_t nv = D / VL;
     for (int64_t i = 0; i < nb; i++) {
-        v16 qv[MAX_VECTORS], a[MAX_VECTORS];
+        vf qv[MAX_VECTORS], a[MAX_VECTORS];
         float s[CHUNK];
-        for (int64_t c = 0; c < nv; c++) memcpy(&qv[c], q + i * D + 16 * c, sizeof(v16));
+        for (int64_t c = 0; c < nv; c++) qv[c] = loadv(q + i * D + VL * c);
         for (int64_t j = 0; j < count; j++) { /* s = q K^T */
             if (i == 0 && j < next_count) /* the next chunk's rows, one key at a time */
                 prefetch_row(next_k[j], next_v[j], D * (bf16 ? 2 : 4));
-            v16 dot = qv[0] * load_kv16(k_rows[j], 0, bf16);
-            for (int64_t c = 1; c < nv; c++) dot += qv[c] * load_kv16(k_rows[j], 16 * c, bf16);
-            s[j] = sum16(dot);
+            vf dot = qv[0] * load_kv(k_rows[j], 0, bf16);
+            for (int64_t c = 1; c < nv; c++) dot += qv[c] * load_kv(k_rows[j], VL * c, bf16);
+            s[j] = hsum(dot);
         }
         float top = m[i];
         for (int64_t j = 0; j < count; j++) top = s[j] > top ? s[j] : top;
@@ -122,12 +106,11 @@ ALWAYS_INLINE void update_block(const char *const *k_rows, const char *const *v_
         l[i] = l[i] * alpha + sum;
         m[i] = top;
         for (int64_t c = 0; c < nv; c++) { /* rescale what the earlier chunks gave */
-            memcpy(&a[c], acc + i * D + 16 * c, sizeof(v16));
-            a[c] *= alpha;
+            a[c] = loadv(acc + i * D + VL * c) * alpha;
         }
         for (int64_t j = 0; j < count; j++) /* acc += p V */
-            for (int64_t c = 0; c < nv; c++) a[c] += s[j] * load_kv16(v_rows[j], 16 * c, bf16);
-        for (int64_t c = 0; c < nv; c++) memcpy(acc + i * D + 16 * c, &a[c], sizeof(v16));
+            for (int64_t c = 0; c < nv; c++) a[c] += s[j] * load_kv(v_rows[j], VL * c, bf16);
+        for (int64_t c = 0; c < nv; c++) storev(acc + i * D + VL * c, a[c]);
     }
 }
 
@@ -177,37 +160,37 @@ ALWAYS_INLINE void attend_keys(const KeySource *src, const float *q, int64_t n,
 static const int32_t LANE_KEYS[16] __attribute__((aligned(64))) = {0, 4, 8,  12, 1, 5, 9,  13,
                                                                     2, 6, 10, 14, 3, 7, 11, 15};
 
-ALWAYS_INLINE v16 widen16(const char *row, int64_t d, const int bf16)
+ALWAYS_INLINE vf widen16(const char *row, int64_t d, const int bf16)
 {
-    if (!bf16) return load16((const float *)row + d);
+    if (!bf16) return loadv((const float *)row + d);
     const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * d)));
-    return (v16)_mm512_slli_epi32(x, 16);
+    return (vf)_mm512_slli_epi32(x, 16);
 }
 
 /* K or V rows for the keys past the end of a short chunk: zeros (their scores are masked) */
-static const float ZERO_ROW[16 * MAX_VECTORS] __attribute__((aligned(64)));
+static const float ZERO_ROW[256] __attribute__((aligned(64)));
 
 /* One key's dot product with a query row as 16 partial sums. */
-ALWAYS_INLINE v16 key_dot(const char *k_row, const float *q, const void *qp, const int64_t D,
+ALWAYS_INLINE vf key_dot(const char *k_row, const float *q, const void *qp, const int64_t D,
                           const int bf16, const int dots)
 {
-    v16 dot = (v16){0};
+    vf dot = (vf){0};
 #if HAS_BF16_DOTS
     if (dots) {
         const pair_t *k2 = (const pair_t *)k_row, *q2 = (const pair_t *)qp;
         int64_t c = 0; /* in pairs */
         for (; c + 16 <= D / 2; c += 16)
-            dot = (v16)_mm512_dpbf16_ps((__m512)dot, (__m512bh)_mm512_loadu_si512(k2 + c),
+            dot = (vf)_mm512_dpbf16_ps((__m512)dot, (__m512bh)_mm512_loadu_si512(k2 + c),
                                         (__m512bh)_mm512_loadu_si512(q2 + c));
         if (c < D / 2) { /* D = 16 (mod 32): the last 8 pairs, zero-extended */
             const __m512i kh = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(k2 + c)));
             const __m512i qh = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(q2 + c)));
-            dot = (v16)_mm512_dpbf16_ps((__m512)dot, (__m512bh)kh, (__m512bh)qh);
+            dot = (vf)_mm512_dpbf16_ps((__m512)dot, (__m512bh)kh, (__m512bh)qh);
         }
         return dot;
     }
 #endif
-    for (int64_t c = 0; c < D / 16; c++) dot += load16(q + 16 * c) * widen16(k_row, 16 * c, bf16);
+    for (int64_t c = 0; c < D / 16; c++) dot += loadv(q + 16 * c) * widen16(k_row, 16 * c, bf16);
     return dot;
 }
 
@@ -220,11 +203,11 @@ ALWAYS_INLINE void rows_chunk(const char *const *k_rows, const char *const *v_ro
                               const int dots)
 {
     const int64_t nv = D / 16;
-    i16 key_of_lane;
+    vi key_of_lane;
     memcpy(&key_of_lane, LANE_KEYS, sizeof key_of_lane);
     float p[ROWS][16];
     float alpha[ROWS];
-    v16 s[ROWS];
+    vf s[ROWS];
     for (int i = 0; i < nr; i++) { /* the scores of every row first: their chains overlap */
         const float *q = qs + i * D;
         const void *q2 = dots ? (const char *)qp + i * D * 2 : NULL;
@@ -242,40 +225,40 @@ ALWAYS_INLINE void rows_chunk(const char *const *k_rows, const char *const *v_ro
             w[j] = _mm512_add_ps(
                 (__m512)_mm512_unpacklo_pd((__m512d)z[2 * j], (__m512d)z[2 * j + 1]),
                 (__m512)_mm512_unpackhi_pd((__m512d)z[2 * j], (__m512d)z[2 * j + 1]));
-        s[i] = (v16)_mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88),
+        s[i] = (vf)_mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88),
                                   _mm512_shuffle_ps(w[0], w[1], 0xDD));
         if (dots) s[i] *= scale;
-        if (count < 16) s[i] = where_below(key_of_lane, (int32_t)count, s[i], (v16){0} + NO_SCORE);
+        if (count < 16) s[i] = where_below(key_of_lane, (int32_t)count, s[i], splat(NO_SCORE));
     }
     int moved = 0;
     for (int i = 0; i < nr; i++) { /* lazy rescaling, as in flash_tile.h's softmax_rows */
         alpha[i] = 1.0f;
         if (!any_above(s[i], m[i] + RESCALE_AT)) continue;
-        const float top = hmax16(s[i]); /* > m[i] + RESCALE_AT */
+        const float top = hmax(s[i]); /* > m[i] + RESCALE_AT */
         alpha[i] = exp2_1(m[i] - top);
         l[i] *= alpha[i];
         m[i] = top;
         moved = 1;
     }
     for (int i = 0; i < nr; i++) {
-        v16 e = exp2_16(s[i] - m[i]);
-        if (count < 16) e = where_below(key_of_lane, (int32_t)count, e, (v16){0});
-        l[i] += hsum16(e);
-        store16(p[i], e);
+        vf e = exp2v(s[i] - m[i]);
+        if (count < 16) e = where_below(key_of_lane, (int32_t)count, e, (vf){0});
+        l[i] += hsum(e);
+        storev(p[i], e);
     }
-    v16 a[ROWS][MAX_VECTORS];
+    vf a[ROWS][MAX_VECTORS];
     for (int i = 0; i < nr; i++)
         for (int64_t c = 0; c < nv; c++)
-            a[i][c] = moved ? load16(acc + i * D + 16 * c) * alpha[i] : load16(acc + i * D + 16 * c);
+            a[i][c] = moved ? loadv(acc + i * D + 16 * c) * alpha[i] : loadv(acc + i * D + 16 * c);
     for (int j = 0; j < 16; j++) {
         const int lane = LANE_KEYS[j];
         for (int64_t c = 0; c < nv; c++) {
-            const v16 vv = widen16(v_rows[j], 16 * c, bf16);
+            const vf vv = widen16(v_rows[j], 16 * c, bf16);
             for (int i = 0; i < nr; i++) a[i][c] += p[i][lane] * vv;
         }
     }
     for (int i = 0; i < nr; i++)
-        for (int64_t c = 0; c < nv; c++) store16(acc + i * D + 16 * c, a[i][c]);
+        for (int64_t c = 0; c < nv; c++) storev(acc + i * D + 16 * c, a[i][c]);
 }
 
 /* n query rows attend to keys slots[0 .. len), 16 keys per chunk, ROWS rows at a time; the
@@ -314,10 +297,17 @@ ALWAYS_INLINE void attend_rows(const KeySource *src, const float *qs, const void
 }
 #endif
 
+/* The row path: AVX-512's attend_rows where the head size is a literal (the common ones; the
+   other sizes take update_block: a dozen more copies of attend_rows doubled the build time),
+   update_block elsewhere. */
 #if defined(__AVX512F__)
-#define ATTEND_ROWS attend_rows
-#else /* AVX2: the row-by-row path of update_block */
-#define ATTEND_ROWS(src, qs, qp, scale, n, slots, len, acc, m, l, D, bf16, dots) \
+#define ATTEND_ROWS(src, qs, qp, scale, n, slots, len, acc, m, l, D, bf16, dots, wide)           \
+    do {                                                                                         \
+        if (wide) attend_rows(src, qs, qp, scale, n, slots, len, acc, m, l, D, bf16, dots);      \
+        else attend_keys(src, qs, n, slots, len, acc, m, l, D, bf16);                            \
+    } while (0)
+#else
+#define ATTEND_ROWS(src, qs, qp, scale, n, slots, len, acc, m, l, D, bf16, dots, wide)           \
     attend_keys(src, qs, n, slots, len, acc, m, l, D, bf16)
 #endif
 
@@ -329,9 +319,10 @@ typedef struct {
     const int64_t *units, *shared, *own, *member_row, *slots;
 } Batch;
 
-/* One task: kv head `head` of unit u; dots: bfloat16 dot products on the shared run. */
+/* One task: kv head `head` of unit u; dots: bfloat16 dot products on the shared run (and on the
+   row path where `wide`: D is a literal). */
 ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int64_t head,
-                            const int64_t D, const int bf16, const int dots)
+                            const int64_t D, const int bf16, const int dots, const int wide)
 {
     const int64_t first = b->units[u], num_members = b->units[u + 1] - first;
     const int64_t *run = b->shared + 2 * u;
@@ -373,13 +364,13 @@ ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int
 #endif
                 tile_attend(&tile, qs, src, slots, run[1], kt, vb, D, bf16);
         } else { /* few rows: row by row, each K/V row still loaded once for all */
-            ATTEND_ROWS(src, qs, qp, b->scale, n, slots, run[1], acc, m, l, D, bf16, dots);
+            ATTEND_ROWS(src, qs, qp, b->scale, n, slots, run[1], acc, m, l, D, bf16, dots, wide);
         }
     }
     for (int64_t r = 0; r < num_members; r++) {
         const int64_t *mine = b->own + 2 * (first + r), at = r * group;
         ATTEND_ROWS(src, qs + at * D, dots ? (const char *)qp + at * D * 2 : NULL, b->scale, group,
-                    b->slots + mine[0], mine[1], acc + at * D, m + at, l + at, D, bf16, dots);
+                    b->slots + mine[0], mine[1], acc + at * D, m + at, l + at, D, bf16, dots, wide);
     }
     for (int64_t i = 0; i < n; i++) {
         const int64_t row = b->member_row[first + i / group];
@@ -396,15 +387,16 @@ static void run_task_dispatch(const Batch *b, const KeySource *src, int64_t u, i
                               int64_t D, int kv_mode)
 {
     if (kv_mode == 2 && HAS_BF16_DOTS) {
-        if (D == 64) run_task(b, src, u, head, 64, 1, 1);
-        else run_task(b, src, u, head, D, 1, 1);
+        if (D == 64) run_task(b, src, u, head, 64, 1, 1, 1);
+        else if (D == 128) run_task(b, src, u, head, 128, 1, 1, 1);
+        else run_task(b, src, u, head, D, 1, 1, 0);
     }
-    else if (D == 64 && !kv_mode) run_task(b, src, u, head, 64, 0, 0);
-    else if (D == 64) run_task(b, src, u, head, 64, 1, 0);
-    else if (D == 128 && !kv_mode) run_task(b, src, u, head, 128, 0, 0);
-    else if (D == 128) run_task(b, src, u, head, 128, 1, 0);
-    else if (!kv_mode) run_task(b, src, u, head, D, 0, 0);
-    else run_task(b, src, u, head, D, 1, 0);
+    else if (D == 64 && !kv_mode) run_task(b, src, u, head, 64, 0, 0, 1);
+    else if (D == 64) run_task(b, src, u, head, 64, 1, 0, 1);
+    else if (D == 128 && !kv_mode) run_task(b, src, u, head, 128, 0, 0, 1);
+    else if (D == 128) run_task(b, src, u, head, 128, 1, 0, 1);
+    else if (!kv_mode) run_task(b, src, u, head, D, 0, 0, 0);
+    else run_task(b, src, u, head, D, 1, 0, 0);
 }
 
 int decode_attention(const float *q, const void *k, const void *v, float *out, int64_t num_heads,
@@ -415,7 +407,7 @@ int decode_attention(const float *q, const void *k, const void *v, float *out, i
                      int num_threads)
 {
     if (num_heads % num_kv_heads != 0) return 1;
-    if (head_dim % 16 != 0 || head_dim > 16 * MAX_VECTORS) return 2; /* whole vectors */
+    if (head_dim % 16 != 0 || head_dim > 256) return 2; /* whole vectors */
     const Batch batch = {q,     out,    num_heads, num_heads / num_kv_heads, scale * LOG2E, units,
                          shared, own, member_row, slots}; /* scores in log2 units: exp2 */
     const int64_t elem = kv_mode ? 2 : 4;

@@ -143,3 +143,6 @@ int extend_attention(const float *q, const void *k, const void *v, float *out, i
     free(tasks);
     return 0;
 }
+
+/* The variant this library was built as (simd.h): the loader checks it against its name. */
+const char *kernels_isa(void) { return ISA_NAME; }

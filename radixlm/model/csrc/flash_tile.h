@@ -7,12 +7,12 @@
 
        K block -> kt (D, KB) transposed, V block -> vb (KB, D): widened, contiguous, in L1
        for each group of R rows that can see some key of the block:
-           S (R, KB) = Q K^T        R x KB/16 accumulators, one broadcast-FMA per (row, d, 16 keys)
+           S (R, KB) = Q K^T        R x KB/VL accumulators, one broadcast-FMA per (row, d, VL keys)
            mask keys past each row's limit; online softmax
-           acc (R, D) = acc * alpha + P V       in slabs of 32 columns: R x 2 accumulators
+           acc (R, D) = acc * alpha + P V       in slabs of PV_NC vectors: R x PV_NC accumulators
 
-   Vectors are GCC vector extensions of 16 floats: AVX-512 registers where the CPU has them,
-   pairs of AVX2 registers where not (compiled with -march=native on the machine that runs it).
+   Vectors are VL floats (simd.h): one register of the instruction set the file is built for;
+   KB and R are chosen per build so the tiles fit that register file.
 
    bfloat16 dot products (tile_attend_bf16, on CPUs with AVX512-BF16): the same loops on pairs
    of bfloat16 (one 32-bit lane holds elements 2i and 2i+1), each vdpbf16ps doing two
@@ -28,26 +28,24 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
-#define KB 32           /* keys per block */
-#define R 8             /* query rows per register group */
+#include "simd.h"
+
+/* Tile sizes per build, from the register file (see block_rows and pv_slab):
+     S = Q K^T    R rows x KB/VL accumulators + KB/VL key vectors + one broadcast
+     acc += P V   R rows x PV_NC accumulators + PV_NC value vectors + one broadcast
+   AVX-512 (32 registers): 8 x 2 + 2 + 1 both; AVX2 and generic (16): 6 x 2 + 2 + 1. */
+#if VL == 16
+#define KB 32 /* keys per block */
+#define R 8   /* query rows per register group */
+#else
+#define KB (2 * VL)
+#define R 6
+#endif
+#define PV_NC 2 /* vectors of columns per P V slab */
+#define NV (KB / VL)
 #define NO_SCORE -1e30f /* "minus infinity" that -ffast-math may not assume away */
 #define LOG2E 1.44269504f /* scores times this are in log2 units: e^x = 2^(x log2 e) */
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-typedef float v16 __attribute__((vector_size(64)));
-
-ALWAYS_INLINE v16 load16(const float *p)
-{
-    v16 x;
-    memcpy(&x, p, sizeof x);
-    return x;
-}
-
-ALWAYS_INLINE void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
 
 ALWAYS_INLINE float kv_at(const char *row, int64_t d, const int bf16)
 {
@@ -93,91 +91,6 @@ ALWAYS_INLINE int64_t group_limit(const Tile *t, int64_t r)
     return seen;
 }
 
-typedef int32_t i16 __attribute__((vector_size(64)));
-
-#if defined(__AVX512F__)
-/* One instruction each where the CPU has AVX-512 (the generic forms compile to three). */
-ALWAYS_INLINE v16 max16(v16 a, v16 b) { return (v16)_mm512_max_ps((__m512)a, (__m512)b); }
-ALWAYS_INLINE v16 where_below(i16 lanes, int32_t end, v16 a, v16 b) /* a where lane < end */
-{
-    const __mmask16 k = _mm512_cmplt_epi32_mask((__m512i)lanes, _mm512_set1_epi32(end));
-    return (v16)_mm512_mask_blend_ps(k, (__m512)b, (__m512)a);
-}
-#else
-ALWAYS_INLINE v16 select16(i16 mask, v16 a, v16 b) /* a where mask, else b */
-{
-    return (v16)(((i16)a & mask) | ((i16)b & ~mask));
-}
-ALWAYS_INLINE v16 max16(v16 a, v16 b) { return select16(a > b, a, b); }
-ALWAYS_INLINE v16 where_below(i16 lanes, int32_t end, v16 a, v16 b) /* a where lane < end */
-{
-    return select16(lanes < end, a, b);
-}
-#endif
-
-/* The lanes folded by halves: 8, 4, 2, 1 lanes apart. */
-ALWAYS_INLINE float hmax16(v16 x)
-{
-    x = max16(x, __builtin_shuffle(x, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
-    x = max16(x, __builtin_shuffle(x, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
-    x = max16(x, __builtin_shuffle(x, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
-    x = max16(x, __builtin_shuffle(x, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
-    return x[0];
-}
-
-ALWAYS_INLINE float hsum16(v16 x)
-{
-    x += __builtin_shuffle(x, (i16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    x += __builtin_shuffle(x, (i16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    x += __builtin_shuffle(x, (i16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    x += __builtin_shuffle(x, (i16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-    return x[0];
-}
-
-/* Scores are kept in log2 units (the kernels fold log2(e) into the softmax scale), so the
-   softmax takes 2^t: t = n + f with n the nearest integer, |f| <= 1/2, 2^f by a degree-5
-   polynomial (a relative-error fit, ~2e-7 evaluated in float32), times 2^n. AVX-512 rounds
-   and scales in one instruction each (vrndscaleps, vscalefps: 2^-1e30 is 0); elsewhere t is
-   clamped at -125 and 2^n is added to the exponent bits, leaving ~1e-38 for 0: negligible next
-   to the row maximum's 2^0 = 1. Half the instructions of the e^x it replaced (range reduction
-   in two parts, a degree-6 polynomial): the exponentials were 15% of a prefill block. */
-ALWAYS_INLINE v16 exp2_16(v16 t)
-{
-#if defined(__AVX512F__)
-    const v16 n = (v16)_mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-#else
-    t = max16(t, (v16){0} - 125.0f);
-    const i16 ni = __builtin_convertvector(t + select16(t < 0, (v16){0} - 0.5f, (v16){0} + 0.5f), i16);
-    const v16 n = __builtin_convertvector(ni, v16);
-#endif
-    const v16 f = t - n;
-    v16 p = 1.32774445e-3f * f + 9.67588369e-3f;
-    p = p * f + 5.55071309e-2f;
-    p = p * f + 2.40221128e-1f;
-    p = p * f + 6.93146944e-1f;
-    p = p * f + 1.00000012f;
-#if defined(__AVX512F__)
-    return (v16)_mm512_scalef_ps((__m512)p, (__m512)n);
-#else
-    return (v16)((i16)p + (ni << 23));
-#endif
-}
-
-/* exp2_16 of one number. */
-ALWAYS_INLINE float exp2_1(float t) { return exp2_16((v16){0} + t)[0]; }
-
-/* 1 when some lane of x exceeds bound. */
-ALWAYS_INLINE int any_above(v16 x, float bound)
-{
-#if defined(__AVX512F__)
-    return _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(bound), _CMP_GT_OQ) != 0;
-#else
-    int any = 0;
-    for (int i = 0; i < 16; i++) any |= x[i] > bound;
-    return any;
-#endif
-}
-
 /* The online-softmax step of R rows over a block's raw scores x (R rows of KB, in NV vectors;
    sc * x is in log2 units): masks keys j >= count and, per row, j > limit[r] - key0; updates m
    and l; leaves the probabilities in x.
@@ -189,28 +102,27 @@ ALWAYS_INLINE int any_above(v16 x, float bound)
    per vector instead of a max tree and a rescale of acc. When it moves, m becomes the block's
    exact max. Stage by stage over the rows, so the rows' dependency chains (the exponentials,
    the sum trees) overlap instead of running one after another. */
-#define NV (KB / 16)
 #define RESCALE_AT 8.0f
-ALWAYS_INLINE void softmax_rows(v16 x[R][NV], int64_t count, int64_t key0, const int64_t *limit,
+ALWAYS_INLINE void softmax_rows(vf x[R][NV], int64_t count, int64_t key0, const int64_t *limit,
                                 float *m, float *l, float *acc, const int64_t D, const float sc)
 {
-    const i16 lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const vi lanes = iota();
     int moved[R];
     for (int r = 0; r < R; r++) {
         const int64_t last = limit[r] - key0;
         const int64_t end = last + 1 < count ? last + 1 : count; /* keys j < end are visible */
         if (end < KB)
             for (int c = 0; c < NV; c++)
-                x[r][c] = where_below(lanes + 16 * c, (int32_t)end, x[r][c], (v16){0} + NO_SCORE);
+                x[r][c] = where_below(lanes + VL * c, (int32_t)end, x[r][c], splat(NO_SCORE));
         const float bound = (m[r] + RESCALE_AT) / sc; /* sc > 0 */
         moved[r] = 0;
         for (int c = 0; c < NV; c++) moved[r] |= any_above(x[r][c], bound);
     }
     for (int r = 0; r < R; r++) {
         if (!moved[r]) continue;
-        v16 top16 = x[r][0];
-        for (int c = 1; c < NV; c++) top16 = max16(top16, x[r][c]);
-        const float top = hmax16(top16) * sc; /* > m[r] + RESCALE_AT */
+        vf top_v = x[r][0];
+        for (int c = 1; c < NV; c++) top_v = maxv(top_v, x[r][c]);
+        const float top = hmax(top_v) * sc; /* > m[r] + RESCALE_AT */
         const float alpha = exp2_1(m[r] - top); /* 0 on the first block */
         l[r] *= alpha;
         m[r] = top;
@@ -218,34 +130,34 @@ ALWAYS_INLINE void softmax_rows(v16 x[R][NV], int64_t count, int64_t key0, const
 #pragma omp simd
         for (int64_t d = 0; d < D; d++) a[d] *= alpha;
     }
-    v16 sum[R];
+    vf sum[R];
     for (int r = 0; r < R; r++) {
-        sum[r] = (v16){0};
+        sum[r] = (vf){0};
         for (int c = 0; c < NV; c++) {
-            x[r][c] = exp2_16(x[r][c] * sc - m[r]);
+            x[r][c] = exp2v(x[r][c] * sc - m[r]);
             sum[r] += x[r][c];
         }
     }
-    for (int r = 0; r < R; r++) l[r] += hsum16(sum[r]);
+    for (int r = 0; r < R; r++) l[r] += hsum(sum[r]);
 }
 
-/* acc[:, c0 .. c0 + 16 * nc) += P V for R rows; the slab's accumulators stay in registers. */
+/* acc[:, c0 .. c0 + VL * nc) += P V for R rows; the slab's accumulators stay in registers. */
 ALWAYS_INLINE void pv_slab(float *acc, const float *vb, float p[R][KB], int64_t count,
                            int64_t c0, const int64_t D, const int nc)
 {
-    v16 a[R][2];
+    vf a[R][PV_NC];
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < nc; c++) a[r][c] = load16(acc + r * D + c0 + c * 16);
+        for (int c = 0; c < nc; c++) a[r][c] = loadv(acc + r * D + c0 + c * VL);
     for (int64_t j = 0; j < count; j++) {
-        v16 vj[2];
-        for (int c = 0; c < nc; c++) vj[c] = load16(vb + j * D + c0 + c * 16);
+        vf vj[PV_NC];
+        for (int c = 0; c < nc; c++) vj[c] = loadv(vb + j * D + c0 + c * VL);
         for (int r = 0; r < R; r++) {
             const float pj = p[r][j];
             for (int c = 0; c < nc; c++) a[r][c] += pj * vj[c];
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < nc; c++) store16(acc + r * D + c0 + c * 16, a[r][c]);
+        for (int c = 0; c < nc; c++) storev(acc + r * D + c0 + c * VL, a[r][c]);
 }
 
 /* Rows [r0, r0 + R) against one key block: S = Q K^T, mask, online softmax, acc += P V.
@@ -254,12 +166,12 @@ ALWAYS_INLINE void block_rows(const float *qs, const float *kt, const float *vb,
                               int64_t key0, const int64_t *limit, float *acc, float *m, float *l,
                               const int64_t D)
 {
-    v16 s[R][NV];
+    vf s[R][NV];
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < NV; c++) s[r][c] = (v16){0};
+        for (int c = 0; c < NV; c++) s[r][c] = (vf){0};
     for (int64_t d = 0; d < D; d++) {
-        v16 kd[NV];
-        for (int c = 0; c < NV; c++) kd[c] = load16(kt + d * KB + c * 16);
+        vf kd[NV];
+        for (int c = 0; c < NV; c++) kd[c] = loadv(kt + d * KB + c * VL);
         for (int r = 0; r < R; r++) {
             const float qv = qs[r * D + d];
             for (int c = 0; c < NV; c++) s[r][c] += qv * kd[c];
@@ -268,12 +180,13 @@ ALWAYS_INLINE void block_rows(const float *qs, const float *kt, const float *vb,
     softmax_rows(s, count, key0, limit, m, l, acc, D, 1.0f); /* q is pre-scaled */
     float p[R][KB];
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < NV; c++) store16(p[r] + c * 16, s[r][c]);
-    /* acc (R, D) += P V in column slabs of 32, then 16: R x 2 accumulators and the V vectors
-       fit in the 32 vector registers (slabs of 64 spilled to the stack: 5-8% slower) */
+        for (int c = 0; c < NV; c++) storev(p[r] + c * VL, s[r][c]);
+    /* acc (R, D) += P V in column slabs of PV_NC vectors, then one: R x PV_NC accumulators
+       and the V vectors fit in the register file (AVX-512 slabs of 4 vectors spilled to the
+       stack: 5-8% slower) */
     int64_t c0 = 0;
-    for (; c0 + 32 <= D; c0 += 32) pv_slab(acc, vb, p, count, c0, D, 2);
-    for (; c0 < D; c0 += 16) pv_slab(acc, vb, p, count, c0, D, 1);
+    for (; c0 + PV_NC * VL <= D; c0 += PV_NC * VL) pv_slab(acc, vb, p, count, c0, D, PV_NC);
+    for (; c0 < D; c0 += VL) pv_slab(acc, vb, p, count, c0, D, 1);
 }
 
 /* Keys slots[0 .. visible) for every row of the tile; float32 rows qs (rows, D), pre-scaled.
@@ -312,9 +225,9 @@ ALWAYS_INLINE void tile_attend(const Tile *t, const float *qs, const KeySource *
 typedef uint32_t pair_t; /* two bfloat16: element 2i in the low half, 2i + 1 in the high half */
 
 /* acc += a * b pair-wise: lane i gets a.lo * b.lo + a.hi * b.hi; b is one pair for all lanes. */
-ALWAYS_INLINE v16 dot_pairs(v16 acc, __m512i a, pair_t b)
+ALWAYS_INLINE vf dot_pairs(vf acc, __m512i a, pair_t b)
 {
-    return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32((int)b));
+    return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32((int)b));
 }
 
 ALWAYS_INLINE __m512i load_pairs(const pair_t *p) { return _mm512_loadu_si512(p); }
@@ -331,9 +244,9 @@ ALWAYS_INLINE uint32_t bf16_bits(float x)
 ALWAYS_INLINE void pv_slab_bf16(float *acc, const pair_t *vb, pair_t p[R][KB / 2],
                                 int64_t pairs, int64_t c0, const int64_t D, const int nc)
 {
-    v16 a[R][2];
+    vf a[R][2];
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < nc; c++) a[r][c] = load16(acc + r * D + c0 + c * 16);
+        for (int c = 0; c < nc; c++) a[r][c] = loadv(acc + r * D + c0 + c * 16);
     for (int64_t j = 0; j < pairs; j++) {
         __m512i vj[2];
         for (int c = 0; c < nc; c++) vj[c] = load_pairs(vb + j * D + c0 + c * 16);
@@ -341,7 +254,7 @@ ALWAYS_INLINE void pv_slab_bf16(float *acc, const pair_t *vb, pair_t p[R][KB / 2
             for (int c = 0; c < nc; c++) a[r][c] = dot_pairs(a[r][c], vj[c], p[r][j]);
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < nc; c++) store16(acc + r * D + c0 + c * 16, a[r][c]);
+        for (int c = 0; c < nc; c++) storev(acc + r * D + c0 + c * 16, a[r][c]);
 }
 
 /* block_rows with bfloat16 pairs: qs (R, D/2), kt (D/2, KB), vb (KB/2, D) pairs. */
@@ -350,9 +263,9 @@ ALWAYS_INLINE void block_rows_bf16(const pair_t *qs, const pair_t *kt, const pai
                                    float *m, float *l, const int64_t D, const float scale)
 {
     const int64_t half = D / 2;
-    v16 s[R][NV];
+    vf s[R][NV];
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < NV; c++) s[r][c] = (v16){0};
+        for (int c = 0; c < NV; c++) s[r][c] = (vf){0};
     for (int64_t d = 0; d < half; d++) {
         __m512i kd[NV];
         for (int c = 0; c < NV; c++) kd[c] = load_pairs(kt + d * KB + c * 16);

@@ -17,147 +17,200 @@
 */
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
 
 #include "bf16.h"
+#include "simd.h"
 
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define MAX_ROWS 16
 #define AHEAD 8192 /* bytes of the weight stream requested ahead of use */
+#define BW (16 / VL) /* vectors per block of 16 columns */
+/* Rows per pass over a column block: their BW accumulators each, the block's BW vectors of W
+   (bfloat16: its two widened halves) and a broadcast must fit the register file; more rows go
+   in further passes over the block, which is in L1/L2 by then. */
+#if VL == 16
+#define ROW_GROUP 16
+#elif VL == 8
+#define ROW_GROUP 6
+#else
+#define ROW_GROUP 3
+#endif
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef uint32_t u16x32 __attribute__((vector_size(64))); /* 16 lanes of bfloat16 pairs */
+typedef struct {
+    vu v[BW];
+} block_u; /* 16 lanes of bfloat16 pairs, or of float32 bits */
 
-/* Row m's 16 results of block b into y. */
-ALWAYS_INLINE void store_block(void *y, const v16 *acc, int64_t N, int64_t b, int rows, int bf16)
+ALWAYS_INLINE block_u load_block(const void *p)
+{
+    block_u w;
+    memcpy(&w, p, sizeof w);
+    return w;
+}
+
+/* Row m's 16 results of block b into y (acc: rows x BW vectors). */
+ALWAYS_INLINE void store_block(void *y, const vf *acc, int64_t N, int64_t b, int rows, int bf16)
 {
     for (int m = 0; m < rows; m++) {
         if (!bf16) {
-            memcpy((float *)y + m * N + b * 16, &acc[m], sizeof(v16));
+            memcpy((float *)y + m * N + b * 16, &acc[m * BW], 16 * sizeof(float));
             continue;
         }
         uint16_t *out = (uint16_t *)y + m * N + b * 16;
-        for (int i = 0; i < 16; i++) out[i] = float_to_bf16(acc[m][i]);
+        for (int i = 0; i < 16; i++) out[i] = float_to_bf16(acc[m * BW + i / VL][i % VL]);
     }
 }
 
-/* Column block b, float32. */
-ALWAYS_INLINE void block_f32(const float *x, const float *wp, float *y, int64_t N, int64_t K,
-                             int64_t b, const int rows)
+/* acc (rows x BW vectors) += x * (one k step of a block), float32: xk[m] the rows' x at k. */
+ALWAYS_INLINE void fma_f32(vf *acc, block_u wk, const float *xk, int64_t stride, const int rows)
 {
-    v16 acc[MAX_ROWS];
-    for (int m = 0; m < rows; m++) acc[m] = (v16){0};
-    const float *w = wp + b * K * 16;
-    for (int64_t k = 0; k < K; k++) {
-        v16 wk;
-        memcpy(&wk, w + k * 16, sizeof wk);
-        __builtin_prefetch((const char *)(w + k * 16) + AHEAD);
-        for (int m = 0; m < rows; m++) acc[m] += x[m * K + k] * wk;
-    }
-    store_block(y, acc, N, b, rows, 0);
+    for (int m = 0; m < rows; m++)
+        for (int c = 0; c < BW; c++) acc[m * BW + c] += xk[m * stride] * (vf)wk.v[c];
 }
 
-/* Column block b, bfloat16 (x as pairs: K/2 per row). */
-ALWAYS_INLINE void block_bf16(const uint32_t *x, const uint32_t *wp, uint16_t *y, int64_t N,
-                              int64_t K, int64_t b, const int rows)
+/* The same for a pair of k in bfloat16: xk[m] the rows' pairs at k. */
+ALWAYS_INLINE void fma_bf16(vf *acc, block_u wk, const uint32_t *xk, int64_t stride,
+                            const int rows)
 {
-    v16 acc[MAX_ROWS];
-    for (int m = 0; m < rows; m++) acc[m] = (v16){0};
-    const int64_t half = K / 2;
-    const uint32_t *w = wp + b * half * 16;
-    for (int64_t k = 0; k < half; k++) {
-        u16x32 wk;
-        memcpy(&wk, w + k * 16, sizeof wk);
-        __builtin_prefetch((const char *)(w + k * 16) + AHEAD);
 #if defined(__AVX512BF16__)
-        for (int m = 0; m < rows; m++)
-            acc[m] = (v16)_mm512_dpbf16_ps((__m512)acc[m], (__m512bh)wk,
-                                           (__m512bh)_mm512_set1_epi32((int)x[m * half + k]));
-#else
-        const v16 lo = (v16)(wk << 16), hi = (v16)(wk & 0xFFFF0000u); /* k even, k odd */
-        for (int m = 0; m < rows; m++) {
-            const uint32_t pair = x[m * half + k];
-            acc[m] += bf16_to_float((uint16_t)pair) * lo + bf16_to_float((uint16_t)(pair >> 16)) * hi;
-        }
-#endif
+    for (int m = 0; m < rows; m++) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xk[m * stride]);
+        acc[m] = (vf)_mm512_dpbf16_ps((__m512)acc[m], (__m512bh)wk.v[0], xv);
     }
-    store_block(y, acc, N, b, rows, 1);
+#else
+    vf lo[BW], hi[BW]; /* k even, k odd */
+    for (int c = 0; c < BW; c++) {
+        lo[c] = (vf)(wk.v[c] << 16);
+        hi[c] = (vf)(wk.v[c] & 0xFFFF0000u);
+    }
+    for (int m = 0; m < rows; m++) {
+        const uint32_t pair = xk[m * stride];
+        const float xl = bf16_to_float((uint16_t)pair), xh = bf16_to_float((uint16_t)(pair >> 16));
+        for (int c = 0; c < BW; c++) acc[m * BW + c] += xl * lo[c] + xh * hi[c];
+    }
+#endif
 }
 
+/* Column block b for `rows` (a literal, <= ROW_GROUP) rows, streaming its weights. */
 ALWAYS_INLINE void run_block(const void *x, const void *wp, void *y, int64_t N, int64_t K,
-                             int64_t b, const int rows, int bf16)
+                             int64_t b, const int rows, const int bf16)
 {
-    if (bf16) block_bf16(x, wp, y, N, K, b, rows);
-    else block_f32(x, wp, y, N, K, b, rows);
+    vf acc[ROW_GROUP * BW];
+    for (int i = 0; i < rows * BW; i++) acc[i] = (vf){0};
+    const int64_t steps = bf16 ? K / 2 : K; /* 16 lanes of one float, or of one bfloat16 pair */
+    const char *w = (const char *)wp + b * steps * 64;
+    for (int64_t k = 0; k < steps; k++) {
+        const block_u wk = load_block(w + k * 64);
+        __builtin_prefetch(w + k * 64 + AHEAD);
+        if (bf16) fma_bf16(acc, wk, (const uint32_t *)x + k, steps, rows);
+        else fma_f32(acc, wk, (const float *)x + k, steps, rows);
+    }
+    store_block(y, acc, N, b, rows, bf16);
+}
+
+/* Up to MAX_ROWS rows of column block b, ROW_GROUP rows a pass. */
+static inline void run_rows(const void *x, const void *wp, void *y, int64_t M, int64_t N,
+                            int64_t K, int64_t b, int bf16)
+{
+    const int64_t elem = bf16 ? 2 : 4;
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_GROUP) {
+        const char *xr = (const char *)x + m0 * K * elem;
+        char *yr = (char *)y + m0 * N * elem;
+        const int64_t rows = M - m0 < ROW_GROUP ? M - m0 : ROW_GROUP;
+        /* literal row counts and dtype: the row loops unroll, accumulators stay in registers */
+#define ROWS_CASE(n)                                                                             \
+    case n:                                                                                      \
+        if (bf16) run_block(xr, wp, yr, N, K, b, n, 1);                                          \
+        else run_block(xr, wp, yr, N, K, b, n, 0);                                               \
+        break;
+        switch (rows) {
+            ROWS_CASE(1)
+            ROWS_CASE(2)
+#if ROW_GROUP > 3
+            ROWS_CASE(4)
+            ROWS_CASE(5)
+            ROWS_CASE(6)
+#endif
+#if ROW_GROUP > 6
+            ROWS_CASE(7)
+            ROWS_CASE(8)
+            ROWS_CASE(9)
+            ROWS_CASE(10)
+            ROWS_CASE(11)
+            ROWS_CASE(12)
+            ROWS_CASE(13)
+            ROWS_CASE(14)
+            ROWS_CASE(15)
+            ROWS_CASE(16)
+#endif
+        default: /* 3 */
+            if (bf16) run_block(xr, wp, yr, N, K, b, 3, 1);
+            else run_block(xr, wp, yr, N, K, b, 3, 0);
+        }
+#undef ROWS_CASE
+    }
 }
 
 /* More rows than a decode step (a prefill chunk): the same packed weight, multiplied in register
-   tiles of TILE_ROWS rows x TILE_BLOCKS column blocks (24 accumulators): per k, 3 loads of W
-   and 8 broadcasts of x feed 24 multiply-adds. Rows go in slabs of SLAB_ROWS, whose x stays in
-   L2 while the threads share out the column blocks; each block's K x 16 weights stay in L1/L2
-   for the slab's tiles. As fast as oneDNN's packed matmuls at 512 rows and more (~1,000 GFLOP/s
-   bfloat16, ~500 float32 on 2 cores), 1.1-1.3x faster at 32-128 rows. */
+   tiles of TILE_ROWS rows x TILE_BLOCKS column blocks: per k, the tile's vectors of W and one
+   broadcast of x per row feed rows x vectors multiply-adds (AVX-512: 8 x 3 zmm accumulators;
+   AVX2: 6 x 2 ymm, 16 columns, the classic shape for 16 registers). Rows go in slabs of
+   SLAB_ROWS, whose x stays in L2 while the threads share out the column blocks; each block's
+   K x 16 weights stay in L1/L2 for the slab's tiles. */
+#if VL == 16
 #define TILE_ROWS 8
 #define TILE_BLOCKS 3
+#elif VL == 8
+#define TILE_ROWS 6
+#define TILE_BLOCKS 1
+#else
+#define TILE_ROWS 3
+#define TILE_BLOCKS 1
+#endif
 #define SLAB_ROWS 96
-
-/* A tile's results (row-major over its nb column blocks) into y, block by block. */
-ALWAYS_INLINE void store_tile(void *y, const v16 *acc, int64_t N, int64_t b, const int rows,
-                              const int nb, int bf16)
-{
-    for (int j = 0; j < nb; j++) {
-        v16 col[TILE_ROWS];
-        for (int m = 0; m < rows; m++) col[m] = acc[m * nb + j];
-        store_block(y, col, N, b + j, rows, bf16);
-    }
-}
 
 /* One tile: rows (a literal, <= TILE_ROWS) x nb column blocks from block b. Each k step (a pair
    of k in bfloat16) loads nb 64-byte slices of W and multiplies them into every row. */
 ALWAYS_INLINE void run_tile(const char *x, const void *wp, char *y, int64_t N, int64_t K,
                             int64_t b, const int rows, const int nb, const int bf16)
 {
-    v16 acc[TILE_ROWS * TILE_BLOCKS];
-    for (int i = 0; i < rows * nb; i++) acc[i] = (v16){0};
+    vf acc[TILE_BLOCKS][TILE_ROWS * BW]; /* per column block, rows x BW vectors */
+    for (int j = 0; j < nb; j++)
+        for (int i = 0; i < rows * BW; i++) acc[j][i] = (vf){0};
     const int64_t steps = bf16 ? K / 2 : K; /* 16 lanes of one float, or of one bfloat16 pair */
-    const u16x32 *w = (const u16x32 *)wp + b * steps;
+    const char *w = (const char *)wp + b * steps * 64;
     for (int64_t k = 0; k < steps; k++) {
-        u16x32 wk[TILE_BLOCKS];
-        for (int j = 0; j < nb; j++) memcpy(&wk[j], w + j * steps + k, sizeof(u16x32));
-        for (int m = 0; m < rows; m++) {
-            if (!bf16) {
-                const float xv = ((const float *)x)[m * K + k];
-                for (int j = 0; j < nb; j++) acc[m * nb + j] += xv * (v16)wk[j];
-                continue;
-            }
-            const uint32_t pair = ((const uint32_t *)x)[m * steps + k];
-#if defined(__AVX512BF16__)
-            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
-            for (int j = 0; j < nb; j++)
-                acc[m * nb + j] = (v16)_mm512_dpbf16_ps((__m512)acc[m * nb + j], (__m512bh)wk[j], xv);
-#else
-            const float lo = bf16_to_float((uint16_t)pair), hi = bf16_to_float((uint16_t)(pair >> 16));
-            for (int j = 0; j < nb; j++)
-                acc[m * nb + j] += lo * (v16)(wk[j] << 16) + hi * (v16)(wk[j] & 0xFFFF0000u);
-#endif
+        block_u wk[TILE_BLOCKS];
+        for (int j = 0; j < nb; j++) wk[j] = load_block(w + (j * steps + k) * 64);
+        for (int j = 0; j < nb; j++) {
+            if (bf16) fma_bf16(acc[j], wk[j], (const uint32_t *)x + k, steps, rows);
+            else fma_f32(acc[j], wk[j], (const float *)x + k, steps, rows);
         }
     }
-    store_tile(y, acc, N, b, rows, nb, bf16);
+    for (int j = 0; j < nb; j++) store_block(y, acc[j], N, b + j, rows, bf16);
 }
 
+#define TILE_CASE(n, NB, BF)                                                                       \
+    case n: run_tile(xr, wp, yr, N, K, b, n, NB, BF); break;
+#if TILE_ROWS == 8
 #define TILE_ROWS_CASES(NB, BF)                                                                    \
     switch (rows) {                                                                              \
-    case 1: run_tile(xr, wp, yr, N, K, b, 1, NB, BF); break;                                     \
-    case 2: run_tile(xr, wp, yr, N, K, b, 2, NB, BF); break;                                     \
-    case 3: run_tile(xr, wp, yr, N, K, b, 3, NB, BF); break;                                     \
-    case 4: run_tile(xr, wp, yr, N, K, b, 4, NB, BF); break;                                     \
-    case 5: run_tile(xr, wp, yr, N, K, b, 5, NB, BF); break;                                     \
-    case 6: run_tile(xr, wp, yr, N, K, b, 6, NB, BF); break;                                     \
-    case 7: run_tile(xr, wp, yr, N, K, b, 7, NB, BF); break;                                     \
+        TILE_CASE(1, NB, BF) TILE_CASE(2, NB, BF) TILE_CASE(3, NB, BF) TILE_CASE(4, NB, BF)      \
+        TILE_CASE(5, NB, BF) TILE_CASE(6, NB, BF) TILE_CASE(7, NB, BF)                           \
     default: run_tile(xr, wp, yr, N, K, b, TILE_ROWS, NB, BF); break;                            \
     }
+#elif TILE_ROWS == 6
+#define TILE_ROWS_CASES(NB, BF)                                                                    \
+    switch (rows) {                                                                              \
+        TILE_CASE(1, NB, BF) TILE_CASE(2, NB, BF) TILE_CASE(3, NB, BF) TILE_CASE(4, NB, BF)      \
+        TILE_CASE(5, NB, BF)                                                                     \
+    default: run_tile(xr, wp, yr, N, K, b, TILE_ROWS, NB, BF); break;                            \
+    }
+#else
+#define TILE_ROWS_CASES(NB, BF)                                                                    \
+    switch (rows) {                                                                              \
+        TILE_CASE(1, NB, BF) TILE_CASE(2, NB, BF)                                                \
+    default: run_tile(xr, wp, yr, N, K, b, TILE_ROWS, NB, BF); break;                            \
+    }
+#endif
 
 static void tiled_linear(const void *x, const void *wp, void *y, int64_t M, int64_t N, int64_t K,
                          int bf16, int num_threads)
@@ -171,21 +224,25 @@ static void tiled_linear(const void *x, const void *wp, void *y, int64_t M, int6
         for (int64_t g = 0; g < groups; g++) {
             const int64_t b = g * TILE_BLOCKS;
             const int64_t nb = blocks - b < TILE_BLOCKS ? blocks - b : TILE_BLOCKS;
+            (void)nb; /* one block a tile where TILE_BLOCKS is 1 */
             for (int64_t m = m0; m < m1; m += TILE_ROWS) {
                 const int rows = m1 - m < TILE_ROWS ? (int)(m1 - m) : TILE_ROWS;
                 const char *xr = (const char *)x + m * K * elem;
                 char *yr = (char *)y + m * N * elem;
                 /* literal row and block counts and dtype: registers, unrolled, no branches */
+#if TILE_BLOCKS == 3
                 if (bf16 && nb == 3) {
                     TILE_ROWS_CASES(3, 1)
                 } else if (bf16 && nb == 2) {
                     TILE_ROWS_CASES(2, 1)
-                } else if (bf16) {
-                    TILE_ROWS_CASES(1, 1)
                 } else if (nb == 3) {
                     TILE_ROWS_CASES(3, 0)
                 } else if (nb == 2) {
                     TILE_ROWS_CASES(2, 0)
+                } else
+#endif
+                if (bf16) {
+                    TILE_ROWS_CASES(1, 1)
                 } else {
                     TILE_ROWS_CASES(1, 0)
                 }
@@ -204,25 +261,6 @@ int skinny_linear(const void *x, const void *wp, void *y, int64_t M, int64_t N, 
         return 0;
     }
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t b = 0; b < N / 16; b++) {
-        switch (M) { /* literal row counts: the row loops unroll, accumulators stay in registers */
-        case 1: run_block(x, wp, y, N, K, b, 1, bf16); break;
-        case 2: run_block(x, wp, y, N, K, b, 2, bf16); break;
-        case 3: run_block(x, wp, y, N, K, b, 3, bf16); break;
-        case 4: run_block(x, wp, y, N, K, b, 4, bf16); break;
-        case 5: run_block(x, wp, y, N, K, b, 5, bf16); break;
-        case 6: run_block(x, wp, y, N, K, b, 6, bf16); break;
-        case 7: run_block(x, wp, y, N, K, b, 7, bf16); break;
-        case 8: run_block(x, wp, y, N, K, b, 8, bf16); break;
-        case 9: run_block(x, wp, y, N, K, b, 9, bf16); break;
-        case 10: run_block(x, wp, y, N, K, b, 10, bf16); break;
-        case 11: run_block(x, wp, y, N, K, b, 11, bf16); break;
-        case 12: run_block(x, wp, y, N, K, b, 12, bf16); break;
-        case 13: run_block(x, wp, y, N, K, b, 13, bf16); break;
-        case 14: run_block(x, wp, y, N, K, b, 14, bf16); break;
-        case 15: run_block(x, wp, y, N, K, b, 15, bf16); break;
-        default: run_block(x, wp, y, N, K, b, 16, bf16); break;
-        }
-    }
+    for (int64_t b = 0; b < N / 16; b++) run_rows(x, wp, y, M, N, K, b, bf16);
     return 0;
 }
