@@ -12,6 +12,7 @@ from typing import Literal
 CacheKind = Literal["radix", "none"]
 Policy = Literal["lpm", "fcfs"]
 DType = Literal["float32", "bfloat16", "float16"]
+CachedTokensReport = Literal["exact", "page", "none"]
 
 
 @dataclass(frozen=True)
@@ -82,19 +83,33 @@ class ServerConfig:
 
     host: str = "127.0.0.1"  # loopback by default: exposing a server is a deliberate choice
     port: int = 8000
-    api_key: str | None = None  # when set, every /v1 route needs `Authorization: Bearer KEY`
+    # When non-empty, every /v1 route needs `Authorization: Bearer KEY` with one of these keys.
+    api_keys: tuple[str, ...] = ()
     model_name: str | None = None  # the id /v1/models serves; None = from the model path
     worker_id: str | None = None  # this replica's name in x-radixlm-worker; None = host:port
     retry_after_s: int = 1  # the Retry-After of a 503 when the waiting queue is full
     graceful_shutdown_s: float = 3.0  # open streams get this long after Ctrl-C, then abort
+    # Where each request's cache namespace comes from (docs/security.md): "api-key" (one
+    # namespace per key: tenants never share a cached prefix), "header:NAME", or "none".
+    salt_from: str = "api-key"
+    report_cached_tokens: CachedTokensReport = "exact"  # "page": rounded down; "none": omitted
+    cached_tokens_page: int = 64  # the rounding unit of report_cached_tokens="page"
+    max_body_bytes: int = 32 * 1024 * 1024  # a larger request body is a 413, read no further
+    body_timeout_s: float = 30.0  # the whole body must arrive within this (else 408)
+    body_idle_timeout_s: float = 10.0  # and no gap between two of its pieces may be longer
+    max_concurrent_tokenizations: int = 2  # prompts tokenized at once (threads)
+    max_queued_tokenizations: int = 64  # more waiting than this is a 503
+    metrics_snapshot_ttl_s: float = 1.0  # /metrics reuses an engine snapshot this young
 
     def __post_init__(self) -> None:
         if not self.host:
             raise ValueError("host must be non-empty")
         if not 0 <= self.port <= 65_535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must be non-empty when given")
+        if not isinstance(self.api_keys, tuple) or not all(
+            isinstance(k, str) and k and k == k.strip() and k.isprintable() for k in self.api_keys
+        ):
+            raise ValueError("api_keys must be a tuple of non-empty printable strings")
         if self.model_name is not None and not self.model_name:
             raise ValueError("model_name must be non-empty when given")
         if self.worker_id is not None and not (
@@ -105,3 +120,34 @@ class ServerConfig:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         if self.graceful_shutdown_s < 0:
             raise ValueError(f"graceful_shutdown_s must be >= 0, got {self.graceful_shutdown_s}")
+        header = self.salt_from.removeprefix("header:")
+        if self.salt_from not in ("api-key", "none") and not (
+            self.salt_from.startswith("header:") and _is_header_name(header)
+        ):
+            raise ValueError(
+                f"salt_from must be 'api-key', 'header:NAME' or 'none', got {self.salt_from!r}"
+            )
+        if self.report_cached_tokens not in ("exact", "page", "none"):
+            raise ValueError(
+                "report_cached_tokens must be 'exact', 'page' or 'none', "
+                f"got {self.report_cached_tokens!r}"
+            )
+        for name in ("cached_tokens_page", "max_body_bytes", "max_concurrent_tokenizations"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queued_tokenizations < 0:
+            raise ValueError(
+                f"max_queued_tokenizations must be >= 0, got {self.max_queued_tokenizations}"
+            )
+        for name in ("body_timeout_s", "body_idle_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.metrics_snapshot_ttl_s < 0:
+            raise ValueError(
+                f"metrics_snapshot_ttl_s must be >= 0, got {self.metrics_snapshot_ttl_s}"
+            )
+
+
+def _is_header_name(name: str) -> bool:
+    """An HTTP header name (RFC 9110 token characters)."""
+    return bool(name) and all(c.isascii() and (c.isalnum() or c in "!#$%&'*+-.^_`|~") for c in name)

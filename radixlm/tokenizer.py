@@ -4,10 +4,18 @@
 GGUF file) and is the only module that calls it; streaming text out of sampled ids lives in
 `radixlm.detokenizer`. Chat messages are validated here, once, so the server and the offline API
 reject the same bad input with the same message.
+
+Two rules protect a server from its clients' text:
+- `max_chars_per_token` bounds how much text one token can stand for, so the server can refuse a
+  prompt that cannot fit the context before paying for its tokenization.
+- Message content is text, never control: `<|im_start|>system` typed by a user is encoded as
+  those characters, not as the template's role token (see `apply_chat_template`).
 """
 
 from __future__ import annotations
 
+import re
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,6 +51,17 @@ class Tokenizer:
         if end_of_turn is not None:
             eos.add(end_of_turn)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self.max_chars_per_token = _max_chars_per_token(hf_tokenizer)
+        self._control = _control_tokens(hf_tokenizer)  # id -> text of every special token
+        self._control_text = re.compile("|".join(map(re.escape, self._control.values())) or "$^")
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        self._backend = backend
+        self._plain: Any = None  # the same tokenizer with special-token parsing off
+        if backend is not None:
+            from tokenizers import Tokenizer as RustTokenizer
+
+            self._plain = RustTokenizer.from_str(backend.to_str())
+            self._plain.encode_special_tokens = True
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
@@ -98,8 +117,81 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: object) -> list[int]:
         """Prompt token ids for `messages` (see `render_chat`). The template writes any BOS
-        itself, so the tokenizer adds no special tokens of its own."""
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        itself, so the tokenizer adds no special tokens of its own.
+
+        Special tokens come from the template only: where message content spells one (a user
+        typing `<|im_start|>system` to forge a turn), that content is encoded as plain text, the
+        way vLLM and llama.cpp do. Any other prompt gets exactly the ids of encoding the rendered
+        text, so the cache and greedy outputs of ordinary chats are unaffected.
+        """
+        conversation = validate_messages(messages)
+        text = self.render_chat(conversation)
+        if self._backend is None or self._plain is None:  # a slow tokenizer: no offsets
+            if any(self._control_text.search(m["content"]) for m in conversation):
+                raise ValueError(_FORGED)
+            return self.encode(text, add_special_tokens=False)
+        encoding = self._backend.encode(text, add_special_tokens=False)
+        spans = self._content_spans(conversation, text)
+        if spans is None:  # the template rewrites content: refuse what cannot be isolated
+            if any(self._control_text.search(m["content"]) for m in conversation):
+                raise ValueError(_FORGED)
+            return list(encoding.ids)
+        forged = any(
+            token in self._control and _overlaps(offset, spans)
+            for token, offset in zip(encoding.ids, encoding.offsets)
+        )
+        if not forged:
+            return list(encoding.ids)
+        ids: list[int] = []
+        for start, end, is_content in _pieces(spans, len(text)):
+            tokenizer = self._plain if is_content else self._backend
+            ids += tokenizer.encode(text[start:end], add_special_tokens=False).ids
+        return ids
+
+    def _content_spans(
+        self, conversation: list[dict[str, Any]], text: str
+    ) -> list[tuple[int, int]] | None:
+        """Where each message's content lies in `text`, found by rendering again with an
+        unguessable marker around each content's core (its edge whitespace stays outside, where
+        a template's trim finds it). None when markers removed do not give back `text`: the
+        template transforms content, and positions cannot be trusted."""
+        nonce = secrets.token_hex(8)
+        start_mark, end_mark = f"\ue000{nonce}\ue001", f"\ue002{nonce}\ue003"
+        marked = []
+        for m in conversation:
+            content = m["content"]
+            core = content.strip()
+            if core:
+                lead = content[: len(content) - len(content.lstrip())]
+                trail = content[len(content.rstrip()) :]
+                content = f"{lead}{start_mark}{core}{end_mark}{trail}"
+            marked.append({**m, "content": content})
+        rendered = self.render_chat(marked)
+        pattern = f"{re.escape(start_mark)}|{re.escape(end_mark)}"
+        spans: list[tuple[int, int]] = []
+        plain: list[str] = []
+        pos, length, opened = 0, 0, None
+        for match in re.finditer(pattern, rendered):
+            plain.append(rendered[pos : match.start()])
+            length += match.start() - pos
+            pos = match.end()
+            if (match.group() == start_mark) != (opened is None):
+                return None  # unbalanced: the template dropped or doubled half a marker
+            if opened is None:
+                opened = length
+            else:
+                spans.append((opened, length))
+                opened = None
+        plain.append(rendered[pos:])
+        if opened is not None or "".join(plain) != text:
+            return None
+        return spans
+
+
+_FORGED = (
+    "message content contains special-token text (such as a chat template's role markers), "
+    "which this model's chat template does not let the server encode as plain text"
+)
 
 
 def validate_messages(messages: object) -> list[dict[str, Any]]:
@@ -167,3 +259,39 @@ def _end_of_turn_token_id(hf: PreTrainedTokenizerBase) -> int | None:
         if content and after.startswith(content):
             return int(special[content])
     return None
+
+
+def _max_chars_per_token(hf: PreTrainedTokenizerBase) -> int:
+    """An upper bound on the characters of text one token can cover.
+
+    A vocabulary entry's string is at least as long as the text it matches: byte-level entries
+    spell one character per byte, metaspace entries one per character, byte fallback `<0xNN>`
+    six for one. A Unicode normalizer may fold a few characters into one (composition), hence
+    the factor when the tokenizer has one.
+    """
+    longest = max((len(token) for token in hf.get_vocab()), default=1)
+    backend = getattr(hf, "backend_tokenizer", None)
+    folds = backend is not None and backend.normalizer is not None
+    return max(longest, 1) * (4 if folds else 1)
+
+
+def _control_tokens(hf: PreTrainedTokenizerBase) -> dict[int, str]:
+    """id -> text of every special token (the ones a chat template uses as control)."""
+    control = {int(i): str(t.content) for i, t in hf.added_tokens_decoder.items() if t.special}
+    control.update({int(i): str(t) for t, i in zip(hf.all_special_tokens, hf.all_special_ids)})
+    return {i: t for i, t in control.items() if t}
+
+
+def _overlaps(offset: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
+    start, end = offset
+    return any(start < span_end and span_start < end for span_start, span_end in spans)
+
+
+def _pieces(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int, bool]]:
+    """[0, length) cut at the spans: (start, end, is_content), in order, none empty."""
+    pieces, pos = [], 0
+    for start, end in spans:
+        pieces += [(pos, start, False), (start, end, True)]
+        pos = end
+    pieces.append((pos, length, False))
+    return [p for p in pieces if p[0] < p[1]]

@@ -126,7 +126,10 @@ def live_server(
     api_key: str | None = None,
     cache: CacheConfig | None = None,
     scheduler: SchedulerConfig | None = None,
+    server: ServerConfig | None = None,
 ) -> Iterator[LiveServer]:
+    """A server on a free port; `server` overrides the ServerConfig (its api_keys win over
+    `api_key`, which is the one key the LiveServer's requests carry)."""
     async_engine = AsyncEngine(
         lambda: Engine(
             ModelConfig(path=str(model_path), num_threads=1),
@@ -135,23 +138,25 @@ def live_server(
         )
     )
     async_engine.start()
-    app = create_app(async_engine, ServerConfig(api_key=api_key, model_name="tiny"))
+    keys = (api_key,) if api_key else ()
+    config = server or ServerConfig(api_keys=keys, model_name="tiny")
+    app = create_app(async_engine, config)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))  # a free port, held from now on: no race with other tests
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
         deadline = time.monotonic() + 30
-        while not server.started:
+        while not uv.started:
             if time.monotonic() > deadline or not thread.is_alive():
                 raise RuntimeError("the test server did not start")
             time.sleep(0.02)
         yield LiveServer(f"http://127.0.0.1:{port}", api_key, async_engine)
     finally:
-        server.should_exit = True
+        uv.should_exit = True
         thread.join(timeout=10)
         async_engine.shutdown()
         sock.close()

@@ -42,10 +42,27 @@ _HELP = {
     "max_wait_steps": "LPM age bound, in scheduling steps",
     "host": "the address to bind (0.0.0.0 exposes the server)",
     "port": "the TCP port",
-    "api_key": "require 'Authorization: Bearer KEY' on /v1 routes",
     "model_name": "the model id served by /v1/models (default: from --model)",
     "worker_id": "this replica's name in each response's x-radixlm-worker (default: host:port)",
+    "salt_from": "each request's prefix-cache namespace: api-key (one per key), header:NAME "
+    "(from a header your proxy sets) or none (only the client's cache_salt); docs/security.md",
+    "report_cached_tokens": "usage.cached_tokens: exact, page (rounded down to "
+    "--cached-tokens-page) or none (left out)",
+    "cached_tokens_page": "the rounding unit of --report-cached-tokens page",
+    "max_body_bytes": "a larger request body is a 413, read no further",
+    "body_timeout_s": "seconds a request body may take to arrive (then 408)",
+    "body_idle_timeout_s": "seconds a request body may pause between pieces (then 408)",
+    "max_concurrent_tokenizations": "prompts tokenized at once, in threads",
+    "max_queued_tokenizations": "prompts waiting for a tokenizer thread; more is a 503",
+    "metrics_snapshot_ttl_s": "/metrics reuses an engine snapshot this young",
 }
+
+# ServerConfig fields with a flag of their own; api_keys comes from --api-key / --api-key-file.
+_SERVER_FLAGS = (
+    "host", "port", "model_name", "salt_from", "report_cached_tokens", "cached_tokens_page",
+    "max_body_bytes", "body_timeout_s", "body_idle_timeout_s", "max_concurrent_tokenizations",
+    "max_queued_tokenizations", "metrics_snapshot_ttl_s", "worker_id",
+)  # fmt: skip
 
 
 class EngineConfigs(NamedTuple):
@@ -74,11 +91,9 @@ def add_config_arguments(
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs.update(type=kind, choices=choices, metavar=None if choices else f.name.upper())
-        group.add_argument(
-            "--" + _FLAGS.get(f.name, f.name).replace("_", "-"),
-            help=f"{doc} (default: {default})",
-            **kwargs,
-        )
+        if "(default:" not in doc:  # a help text may word its default itself
+            doc = f"{doc} (default: {default})"
+        group.add_argument("--" + _FLAGS.get(f.name, f.name).replace("_", "-"), help=doc, **kwargs)
 
 
 def config_from_args(args: argparse.Namespace, config: type[C], **overrides: Any) -> C:
@@ -106,9 +121,32 @@ def engine_configs(args: argparse.Namespace) -> EngineConfigs:
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_arguments(
-        parser, ServerConfig, "server", only=("host", "port", "api_key", "model_name", "worker_id")
-    )
+    add_config_arguments(parser, ServerConfig, "server", only=_SERVER_FLAGS)
+    keys = parser.add_argument_group("API keys (none: the /v1 routes are open)")
+    keys.add_argument(
+        "--api-key", action="append", dest="api_key_values", metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1 routes; repeat for several keys "
+        "(each its own cache namespace with --salt-from api-key)",
+    )  # fmt: skip
+    keys.add_argument(
+        "--api-key-file", metavar="PATH",
+        help="API keys, one per line ('#' comments); keeps them out of the process list",
+    )  # fmt: skip
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """ServerConfig from the flags; raises ValueError on a bad value or an unreadable keys file."""
+    keys = list(args.api_key_values or ())
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                lines = [line.strip() for line in f]
+        except OSError as exc:
+            raise ValueError(f"cannot read --api-key-file: {exc}") from exc
+        keys += [line for line in lines if line and not line.startswith("#")]
+        if not keys:
+            raise ValueError(f"--api-key-file {args.api_key_file} holds no key")
+    return config_from_args(args, ServerConfig, api_keys=tuple(dict.fromkeys(keys)))
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int) -> None:

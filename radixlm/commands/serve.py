@@ -1,6 +1,8 @@
 """`radixlm serve`: the OpenAI-compatible server on one engine.
 
-    radixlm serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine options]
+    radixlm serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY ...]
+                  [--salt-from api-key|header:NAME|none] [--report-cached-tokens exact|page|none]
+                  [engine options]
 
 Loads the model (with a progress display), starts the engine thread, prints the URL and a curl
 example, and serves with uvicorn until Ctrl-C; then open streams get a few seconds to finish,
@@ -21,8 +23,8 @@ import uvicorn
 from radixlm.commands.options import (
     add_engine_arguments,
     add_server_arguments,
-    config_from_args,
     engine_configs,
+    server_config,
 )
 from radixlm.config import ServerConfig
 
@@ -45,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         configs = engine_configs(args)
-        server_config = config_from_args(args, ServerConfig)
+        config = server_config(args)
     except ValueError as exc:
         print(f"radixlm serve: {exc}", file=sys.stderr)
         return 2
@@ -57,18 +59,18 @@ def run(args: argparse.Namespace) -> int:
         print("\ninterrupted while loading", file=sys.stderr)
         return 130
     try:
-        app = create_app(async_engine, server_config)
+        app = create_app(async_engine, config)
         server = _Server(
             app.state.radixlm,
             uvicorn.Config(
                 app,
-                host=server_config.host,
-                port=server_config.port,
+                host=config.host,
+                port=config.port,
                 log_level=args.log_level,
-                timeout_graceful_shutdown=int(server_config.graceful_shutdown_s),
+                timeout_graceful_shutdown=int(config.graceful_shutdown_s),
             ),
         )
-        print(_banner(server_config, app.state.radixlm.model_name), flush=True)
+        print(_banner(config, app.state.radixlm.model_name), flush=True)
         with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it handled
             server.run()
     finally:
@@ -91,8 +93,9 @@ class _Server(uvicorn.Server):
 
 
 def _banner(config: ServerConfig, model: str) -> str:
+    """The URL and a curl example. Never a key: terminals and logs are read by others."""
     url = f"http://{config.host}:{config.port}"
-    auth = f" \\\n  -H 'Authorization: Bearer {config.api_key}'" if config.api_key else ""
+    auth = ' \\\n  -H "Authorization: Bearer $RADIXLM_API_KEY"' if config.api_keys else ""
     body = (
         f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], '
         '"max_tokens": 32}'

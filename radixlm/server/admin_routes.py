@@ -2,7 +2,9 @@
 
 `/health` never waits for the engine thread (it answers while a long prefill computes); the
 others read the engine through `AsyncEngine.call`, between two steps, with a time limit so a
-stuck engine makes them fail loudly instead of hanging.
+stuck engine makes them fail loudly instead of hanging. `/metrics` shares its snapshots
+(`SnapshotCache`), so a flood of scrapes does not queue a command per scrape ahead of the
+streams' next step.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ def health_router(state: ServerState) -> APIRouter:
     @router.get("/metrics")
     async def metrics() -> Response:
         try:
-            snapshot: EngineSnapshot | None = await _call(state, take_snapshot)
+            snapshot: EngineSnapshot | None = await state.snapshots.get(
+                lambda: _call(state, take_snapshot)
+            )
         except APIError:
             snapshot = None  # still expose what the server itself counted
         return Response(state.metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)

@@ -3,24 +3,30 @@
     /health, /metrics                      open (liveness probes and Prometheus need no key)
     /v1/models, /v1/completions,
     /v1/chat/completions, /v1/cache,
-    /v1/cache/flush                        behind `Authorization: Bearer KEY` when a key is set
+    /v1/cache/flush                        behind `Authorization: Bearer KEY` when keys are set
+
+Around the routes, outermost first: the request counter (every response is counted, 500s and
+413s included), `ErrorMiddleware` (an unexpected exception is one logged 500) and
+`BodyLimitMiddleware` (bodies are read within their size and time limits before any route).
 
 The app does not own the engine's lifecycle: whoever built the AsyncEngine starts it before
 serving and shuts it down after (`radixlm serve`, the test fixtures). Everything per-server
-(metrics registry, limits, config) hangs off a `ServerState`, so two apps in one process never
-share anything.
+(metrics registry, limits, tokenizer threads, config) hangs off a `ServerState`, so two apps in
+one process never share anything.
 """
 
 from __future__ import annotations
 
-import hmac
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI
 
 from radixlm.config import ServerConfig
 from radixlm.engine.async_engine import AsyncEngine
 from radixlm.server.admin_routes import cache_router, health_router
-from radixlm.server.errors import APIError, install_error_handlers
+from radixlm.server.body import BodyLimitMiddleware
+from radixlm.server.errors import ErrorMiddleware, install_error_handlers
 from radixlm.server.metrics import RequestCounterMiddleware
 from radixlm.server.openai_routes import openai_router
 from radixlm.server.state import ServerState
@@ -42,30 +48,32 @@ ROUTES = frozenset(
 def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     state = ServerState.build(engine, config)
-    app = FastAPI(title="radixlm", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        state.admission.close()  # the tokenizer threads end with the server
+
+    app = FastAPI(
+        title="radixlm", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+    )
     app.state.radixlm = state
     install_error_handlers(app)
-    guarded = [Depends(_api_key_check(config.api_key))] if config.api_key else []
+    tenancy = state.tenancy
+    guarded = [Depends(tenancy.authenticate)] if tenancy.requires_key else []
     app.include_router(health_router(state))
     app.include_router(openai_router(state), dependencies=guarded)
     app.include_router(cache_router(state), dependencies=guarded)
     install_worker_routes(app, state, guarded)  # what a gateway in front of replicas calls
+    # add_middleware wraps what is there: the last one added runs first
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=config.max_body_bytes,
+        timeout_s=config.body_timeout_s,
+        idle_timeout_s=config.body_idle_timeout_s,
+    )
+    app.add_middleware(ErrorMiddleware)
     app.add_middleware(
         RequestCounterMiddleware, metrics=state.metrics, routes=ROUTES | WORKER_ROUTES
     )
     return app
-
-
-def _api_key_check(api_key: str):  # -> a FastAPI dependency
-    expected = f"Bearer {api_key}".encode()
-
-    async def check(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            raise APIError(
-                401,
-                "Missing or incorrect API key: send 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-            )
-
-    return check

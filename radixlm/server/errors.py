@@ -1,8 +1,10 @@
 """Errors as OpenAI reports them: a status code and `{"error": {message, type, param, code}}`.
 
-Routes raise `APIError`; `install_error_handlers` turns it, a schema `ValidationError`, an HTTP
-error from the router (404, 405) and any unexpected exception into that body, so a client never
-sees an HTML page or a bare traceback, and the server keeps serving after every one of them.
+Routes raise `APIError`; `install_error_handlers` turns it, a schema `ValidationError`, a query or
+path parameter FastAPI could not read (its 422 becomes our 400) and an HTTP error from the router
+(404, 405) into that body; `ErrorMiddleware` turns any unexpected exception into a 500 of the same
+shape, logged once, inside the request counter (so it is counted). A client never sees an HTML
+page or a bare traceback, and the server keeps serving after every one of them.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixlm.server.protocol import ParamError
 
@@ -24,8 +28,7 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
+    429: "rate_limit_error",
     503: "service_unavailable_error",
 }
 
@@ -101,6 +104,18 @@ def from_validation_error(exc: ValidationError) -> APIError:
     return APIError(400, f"Invalid value for {param!r}: {message}", param=param)
 
 
+def from_request_validation_error(exc: RequestValidationError) -> APIError:
+    """A query, path or header parameter FastAPI could not read, as a 400 naming it."""
+    err = exc.errors()[0]
+    loc = [str(part) for part in err.get("loc", ())]
+    where = loc[0] if loc else ""
+    param = ".".join(loc[1:] if where in ("query", "path", "header", "cookie", "body") else loc)
+    message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    if not param:
+        return APIError(400, f"Invalid request: {message}")
+    return APIError(400, f"Invalid value for {param!r}: {message}", param=param)
+
+
 def _is_union_tag(part: str) -> bool:
     """Pydantic names the union member an error belongs to in its location: 'str',
     'list[TextPart]', 'TextPart'; field names are lower-case identifiers."""
@@ -119,10 +134,38 @@ def install_error_handlers(app: FastAPI) -> None:
         )
         return APIError(exc.status_code, message, headers=exc.headers).response()
 
-    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error in %s %s", request.method, request.url.path)
-        return APIError(500, f"Internal server error: {type(exc).__name__}").response()
+    async def on_invalid_parameter(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return from_request_validation_error(exc).response()
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(HTTPException, on_http_error)
-    app.add_exception_handler(Exception, on_unexpected)
+    app.add_exception_handler(RequestValidationError, on_invalid_parameter)
+
+
+class ErrorMiddleware:
+    """Any exception a route did not turn into an APIError: logged once with its traceback and
+    answered as a 500 in the OpenAI shape (when the response has not started yet). It is not
+    re-raised, so neither Starlette nor uvicorn logs it a second time."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            log.exception("unexpected error in %s %s", scope["method"], scope["path"])
+            if not started:
+                response = APIError(500, f"Internal server error: {type(exc).__name__}").response()
+                await response(scope, receive, send)

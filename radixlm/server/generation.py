@@ -44,15 +44,18 @@ class ChoiceDelta:
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # Prompt tokens whose KV came from the prefix cache; None: not reported (the server hides it)
+    cached_tokens: int | None = 0
 
     def to_dict(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.cached_tokens is not None:
+            out["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return out
 
 
 @dataclass
@@ -150,12 +153,13 @@ class Generation:
 
     @property
     def usage(self) -> Usage:
-        usage = Usage()
-        for p in self._state:
-            usage.prompt_tokens += p.prompt_tokens
-            usage.cached_tokens += p.cached_tokens
-            usage.completion_tokens += sum(s.completion_tokens for s in p.samples.values())
-        return usage
+        return Usage(
+            prompt_tokens=sum(p.prompt_tokens for p in self._state),
+            completion_tokens=sum(
+                s.completion_tokens for p in self._state for s in p.samples.values()
+            ),
+            cached_tokens=sum(p.cached_tokens for p in self._state),
+        )
 
     # ---- helpers ----------------------------------------------------------------------------
     async def _pump(self, i: int, prompt: list[int]) -> None:

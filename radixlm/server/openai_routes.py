@@ -1,9 +1,10 @@
 """POST /v1/completions, POST /v1/chat/completions and GET /v1/models.
 
-A request goes: strict schema -> prompt token ids (text is tokenized in a worker thread) ->
-SamplingParams (max_tokens defaults to what fits the context and the pool) -> `Generation.start()`
-(the engine admits it, or a 400 / 503) -> a JSON response, or an SSE stream of chunks ending
-with `data: [DONE]`.
+A request goes: body within its limits (`body.py`) -> strict schema -> prompt token ids (lengths
+checked first, text tokenized on the tokenizer threads: `admission.py`) -> SamplingParams
+(max_tokens defaults to what fits the context and the pool) -> its cache namespace
+(`tenancy.py`) -> `Generation.start()` (the engine admits it, or a 400 / 503) -> a JSON
+response, or an SSE stream of chunks ending with `data: [DONE]`.
 
 A client that goes away is noticed while waiting (a watcher on the ASGI receive channel) or while
 streaming (Starlette cancels the body); either way the generation is closed, which aborts the
@@ -25,8 +26,9 @@ from pydantic import BaseModel, ValidationError
 
 from radixlm.engine.engine import QueueFullError
 from radixlm.request import SamplingParams
+from radixlm.server.admission import check_fits
 from radixlm.server.errors import APIError, ClientDisconnected, error_body, from_validation_error
-from radixlm.server.generation import Generation
+from radixlm.server.generation import Generation, Usage
 from radixlm.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from radixlm.server.responses import (
     ChoiceResult,
@@ -38,7 +40,6 @@ from radixlm.server.responses import (
 )
 from radixlm.server.state import ServerState
 
-MAX_BODY_BYTES = 32 * 1024 * 1024
 ABORTED = "The server is shutting down: the request was aborted"  # the only abort a client sees
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -51,7 +52,7 @@ def openai_router(state: ServerState) -> APIRouter:
     async def completions(request: Request) -> Response:
         body = await _parse(request, CompletionRequest)
         _check_model(state, body.model)
-        prompts = [await _prompt_ids(state, p) for p in body.prompts]
+        prompts = [await state.admission.prompt_ids(p) for p in body.prompts]
         header = _header(state, body, "completion", body.logprobs, prompts)
         params = _sampling_params(state, body, prompts, body.max_tokens, body.logprobs, "prompt")
         return await _respond(request, state, body, prompts, params, header, "prompt")
@@ -60,11 +61,7 @@ def openai_router(state: ServerState) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
         _check_model(state, body.model)
-        try:
-            tokenizer = state.engine.tokenizer
-            prompt = await asyncio.to_thread(tokenizer.apply_chat_template, body.template_messages)
-        except ValueError as exc:
-            raise APIError(400, f"Invalid messages: {exc}", param="messages") from exc
+        prompt = await state.admission.chat_ids(body.messages)
         top = (body.top_logprobs or 0) if body.logprobs else None
         header = _header(state, body, "chat", top, [prompt])
         params = _sampling_params(state, body, [prompt], body.token_limit, top, "messages")
@@ -86,9 +83,7 @@ def openai_router(state: ServerState) -> APIRouter:
 
 # ---- request -> engine ----------------------------------------------------------------------
 async def _parse(request: Request, model: type[M]) -> M:
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise APIError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes")
+    raw = await request.body()  # already read within its limits by BodyLimitMiddleware
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
@@ -105,24 +100,6 @@ def _check_model(state: ServerState, model: str | None) -> None:
         )
 
 
-async def _prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
-    """Token ids of a prompt. Text is tokenized off the event loop: a long prompt must not
-    stall /health or the streams of other clients."""
-    if isinstance(prompt, str):
-        ids = await asyncio.to_thread(state.engine.tokenizer.encode, prompt)
-    else:
-        ids = prompt
-    if not ids:
-        raise APIError(400, "The prompt is empty", param="prompt")
-    vocab = state.limits.vocab_size
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise APIError(
-            400, f"Token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt"
-        )
-    return ids
-
-
 def _sampling_params(
     state: ServerState,
     body: SamplingRequest,
@@ -134,21 +111,14 @@ def _sampling_params(
     """The engine's params; max_tokens defaults to what the context and the pool leave."""
     limit = state.limits.max_seq_len
     prompt_len = max(len(p) for p in prompts)
-    if prompt_len >= limit:
-        raise APIError(
-            400,
-            f"The prompt is {prompt_len} tokens long, but this model serves at most {limit} "
-            "tokens (prompt and completion together); shorten the prompt",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
+    check_fits(state.limits, prompt_len, prompt_param)
     if max_tokens is None:
         max_tokens = limit - prompt_len
     elif prompt_len + max_tokens > limit:
         raise APIError(
             400,
-            f"This model serves at most {limit} tokens, but you requested {prompt_len + max_tokens}"
-            f" ({prompt_len} in the prompt, {max_tokens} in the completion); "
+            f"You requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+            f"{max_tokens} in the completion), but {state.limits.describe()}; "
             "reduce the prompt or max_tokens",
             param="max_tokens",
             code="context_length_exceeded",
@@ -203,8 +173,9 @@ async def _respond(
     header: ResponseHeader,
     prompt_param: str,
 ) -> Response:
+    namespace = state.tenancy.namespace(request, body.cache_salt)
     gen = Generation(
-        state.engine, prompts, params, header.id, body.cache_salt, state.metrics, state.generations
+        state.engine, prompts, params, header.id, namespace, state.metrics, state.generations
     )
     try:
         await _until_disconnected(request, gen.start)
@@ -214,7 +185,7 @@ async def _respond(
     except ValueError as exc:
         raise APIError(400, str(exc), param=prompt_param) from exc
     if body.stream:
-        chunks = _stream(gen, header, body.include_usage)
+        chunks = _stream(gen, header, body.include_usage, state.tenancy.reported)
         return StreamingResponse(chunks, media_type="text/event-stream")
     try:
         results = await _until_disconnected(request, lambda: _collect(gen, len(prompts) * body.n))
@@ -224,7 +195,7 @@ async def _respond(
     if failed is not None:
         status = 503 if failed.finish_reason == "abort" else 500
         raise APIError(status, failed.error or ABORTED)
-    return JSONResponse(full_response(header, results, gen.usage))
+    return JSONResponse(full_response(header, results, state.tenancy.reported(gen.usage)))
 
 
 async def _collect(gen: Generation, num_choices: int) -> list[ChoiceResult]:
@@ -235,7 +206,10 @@ async def _collect(gen: Generation, num_choices: int) -> list[ChoiceResult]:
 
 
 async def _stream(
-    gen: Generation, header: ResponseHeader, include_usage: bool
+    gen: Generation,
+    header: ResponseHeader,
+    include_usage: bool,
+    reported: Callable[[Usage], Usage],
 ) -> AsyncIterator[str]:
     started: set[int] = set()
     offsets: dict[int, int] = {}  # text offset per choice (completions logprobs)
@@ -255,7 +229,7 @@ async def _stream(
             started.add(choice.index)
             offsets[choice.index] = offset + len(d.text)
         if include_usage:
-            yield _sse(usage_chunk(header, gen.usage))
+            yield _sse(usage_chunk(header, reported(gen.usage)))
         yield "data: [DONE]\n\n"
     finally:
         await gen.aclose()

@@ -157,7 +157,15 @@ class TextPart(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
-    name: str | None = None
+    # OpenAI's rule for names; it also keeps template syntax and special tokens out of them
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+
+    @property
+    def num_chars(self) -> int:
+        """Characters of content (text parts and the newlines that join them)."""
+        if isinstance(self.content, str):
+            return len(self.content)
+        return sum(len(part.text) + 1 for part in self.content)
 
     def to_template(self) -> dict[str, Any]:
         """The message as the tokenizer's chat template takes it (`developer` is a system

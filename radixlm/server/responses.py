@@ -6,7 +6,8 @@ Completions and chat differ only in how a choice carries its text (`text` agains
     completions  {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}
     chat         {"content": [{"token", "logprob", "bytes", "top_logprobs": [{...}, ...]}]}
 
-`usage.prompt_tokens_details.cached_tokens` is on every usage object, as OpenAI reports it.
+`usage.prompt_tokens_details.cached_tokens` is on every usage object, as OpenAI reports it, unless
+the server is set to hide it (`--report-cached-tokens none`).
 """
 
 from __future__ import annotations

@@ -4,11 +4,19 @@ The prefix cache and the scheduler are not thread-safe, so the server never read
 event loop: `/v1/cache` and `/metrics` run `take_snapshot` through `AsyncEngine.call` and work
 from the copy. The slot accounting (`free + tree + in_flight == capacity`) is reported as read,
 never recomputed from three separately taken counts.
+
+`/metrics` goes through a `SnapshotCache`: scrapes that arrive together share one engine round
+trip, and a snapshot younger than the TTL is served again, so a flood of scrapes costs the engine
+thread at most one command per TTL instead of one per scrape (a stream's next token waits for
+every command queued before it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +56,25 @@ class EngineSnapshot:
         out["accounting_ok"] = self.accounting_ok
         out["idle"] = self.idle
         return out
+
+
+class SnapshotCache:
+    """The latest snapshot, reused while younger than `ttl_s`; one refresh at a time."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._snapshot: EngineSnapshot | None = None
+        self._taken = 0.0
+        self._lock = asyncio.Lock()
+
+    async def get(self, take: Callable[[], Awaitable[EngineSnapshot]]) -> EngineSnapshot:
+        """A snapshot at most ttl_s old; `take` (an engine round trip) runs only when none is.
+        Waiters on the lock find the snapshot their predecessor took."""
+        async with self._lock:
+            if self._snapshot is None or time.monotonic() - self._taken > self.ttl_s:
+                self._snapshot = await take()
+                self._taken = time.monotonic()
+            return self._snapshot
 
 
 def take_snapshot(engine: Engine) -> EngineSnapshot:

@@ -1,8 +1,8 @@
 """What every route of one app shares: the engine, the server config, the model's limits, metrics.
 
-The limits are read once when the app is built. They are fixed at engine construction (the
-model's context and vocabulary, the pool's size), so reading them outside the engine thread is
-safe; everything that changes while serving is read through `AsyncEngine.call`.
+The limits (`ModelLimits`) are read once when the app is built. They are fixed at engine
+construction (the model's context and vocabulary, the pool's size), so reading them outside the
+engine thread is safe; everything that changes while serving is read through `AsyncEngine.call`.
 """
 
 from __future__ import annotations
@@ -13,21 +13,13 @@ from pathlib import Path
 
 from radixlm.config import ServerConfig
 from radixlm.engine.async_engine import AsyncEngine
+from radixlm.server.admission import Admission, ModelLimits
 from radixlm.server.generation import Generation
 from radixlm.server.metrics import ServerMetrics
+from radixlm.server.snapshot import SnapshotCache
+from radixlm.server.tenancy import Tenancy
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    max_context_len: int  # prompt + output tokens of one sequence
-    num_slots: int  # KV slots in the pool: one sequence can never hold more
-    vocab_size: int
-
-    @property
-    def max_seq_len(self) -> int:
-        return min(self.max_context_len, self.num_slots)
 
 
 @dataclass
@@ -36,6 +28,9 @@ class ServerState:
     config: ServerConfig
     model_name: str
     limits: ModelLimits
+    admission: Admission  # length checks and the tokenizer threads
+    tenancy: Tenancy  # API keys, cache namespaces, what cached_tokens reports
+    snapshots: SnapshotCache  # /metrics' engine snapshots, shared by scrapes close together
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
     generations: set[Generation] = field(default_factory=set)  # requests being served now
@@ -48,7 +43,15 @@ class ServerState:
             num_slots=int(core.cache.capacity),
             vocab_size=int(core.runner.vocab_size),
         )
-        return cls(engine, config, config.model_name or served_name(core.model_config.path), limits)
+        return cls(
+            engine,
+            config,
+            config.model_name or served_name(core.model_config.path),
+            limits,
+            Admission(core.tokenizer, limits, config),
+            Tenancy(config),
+            SnapshotCache(config.metrics_snapshot_ttl_s),
+        )
 
     def abort_all(self) -> None:
         """Abort every request being served (at shutdown): streams end, connections close.
