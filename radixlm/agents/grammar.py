@@ -1,0 +1,207 @@
+"""Constrained decoding with llguidance: grammars for structured outputs and tool calls, one
+matcher per sample, and the token masks the sampler applies in its batched call.
+
+    compiler = GrammarCompiler(tokenizer, vocab_size)   # one per model (builds llguidance's
+    constraint = compiler.json_schema(schema, strict)   #   token trie once, ~1 s)
+    matcher = constraint.new_matcher()                   # per sample; fork() for n > 1
+    scores, failed = apply_token_masks(logits, [matcher, None, ...])   # (R, V), batched
+    matcher.advance(token)                               # after each sampled token
+
+A grammar the library cannot compile raises ValueError naming the problem (a 400 for the server),
+never an unconstrained answer. JSON is compact and deterministic (", " and ": ", no free
+whitespace): a small model given free whitespace can spend its whole budget on newlines, and fixed
+bytes keep the cached prefix of a resent turn stable.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import llguidance
+import llguidance.hf
+import torch
+
+from radixlm.agents.chat_format import CALL_SEPARATOR, CALL_SUFFIX, call_prefix
+from radixlm.agents.tools import ToolChoice, ToolSpec
+from radixlm.tokenizer import Tokenizer
+
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_CACHED_GRAMMARS = 64  # agents resend the same tools every step: compile them once
+
+
+class GrammarError(RuntimeError):
+    """A matcher rejected a token or has no token left to allow (fails that request only)."""
+
+
+class GrammarMatcher:
+    """One sample's position in its grammar. Not thread-safe; owned by one request."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self._matcher = matcher
+
+    def fork(self) -> GrammarMatcher:
+        """An independent copy in the same state (an n > 1 sample starts from the leader's)."""
+        return GrammarMatcher(self._matcher.deep_copy())
+
+    def fill_mask(self, row: torch.Tensor) -> None:
+        """Write the allowed-token bitmask into `row`, a contiguous int32 CPU tensor."""
+        self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+
+    def advance(self, token_id: int) -> None:
+        """Consume a sampled token. Raises GrammarError when the grammar rejects it."""
+        if not self._matcher.consume_token(token_id):
+            raise GrammarError(f"the output left its grammar: {self.error}")
+
+    @property
+    def error(self) -> str:
+        return self._matcher.get_error()
+
+    @property
+    def is_finished(self) -> bool:
+        """The grammar is complete: only an end-of-sequence token is allowed."""
+        return self._matcher.is_stopped()
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A compiled grammar; `new_matcher` gives each sample its own state."""
+
+    description: str  # what it constrains, for messages ("json_schema 'weather'")
+    grammar: str  # llguidance's grammar text
+    prototype: llguidance.LLMatcher  # at the start state; only ever copied
+
+    def new_matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self.prototype.deep_copy())
+
+
+class GrammarCompiler:
+    """Compiles response formats and tool choices for one tokenizer and logits width."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self.ll_tokenizer = llguidance.hf.from_tokenizer(
+            tokenizer.hf_tokenizer,  # type: ignore[arg-type]  # a fast tokenizer (checked there)
+            n_vocab=vocab_size,  # the logits' width; ids past the tokenizer are never allowed
+            eos_token=sorted(tokenizer.eos_token_ids) or None,
+        )
+        self.vocab_size = vocab_size
+        self._cache: OrderedDict[str, Constraint] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def json_object(self) -> Constraint:
+        return self.json_schema({"type": "object"}, strict=False, name="json_object")
+
+    def json_schema(
+        self, schema: Mapping[str, Any], strict: bool, name: str = "json_schema"
+    ) -> Constraint:
+        """Any JSON the schema accepts. strict: unsupported keywords are errors (OpenAI's strict
+        guarantees the schema); otherwise they are ignored, a best-effort constraint."""
+        options = {**JSON_STYLE, "lenient": not strict}
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                dict(schema),
+                overrides=options,  # type: ignore[arg-type]
+            )
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        return self.compile(grammar, name)
+
+    def tool_calls(
+        self, tools: Sequence[ToolSpec], choice: ToolChoice, parallel: bool
+    ) -> Constraint | None:
+        """The grammar of the built-in call format, or None when output is unconstrained.
+
+        required: one call (or several with `parallel`) to any tool; named: calls to that tool;
+        auto: free text or calls, constrained only when some tool is strict. A non-strict tool's
+        schema constrains leniently.
+        """
+        if choice.mode == "none" or not tools:
+            return None
+        if choice.mode == "auto" and not any(t.strict for t in tools):
+            return None
+        chosen = [t for t in tools if choice.mode != "named" or t.name == choice.name]
+        rules = [f"call_{i}: {_call_rule(t)}" for i, t in enumerate(chosen)]
+        calls = "call (" + json.dumps(CALL_SEPARATOR) + " call)*" if parallel else "call"
+        start = f"TEXT | {calls}" if choice.mode == "auto" else calls
+        lark = "\n".join(
+            [
+                f"start: {start}",
+                "call: " + " | ".join(f"call_{i}" for i in range(len(chosen))),
+                *rules,
+                # free text under auto: anything that does not open a call
+                r"TEXT: /(?s:.+)/ & ~/(?s:.*<tool_call>.*)/",
+            ]
+        )
+        return self.compile(llguidance.LLMatcher.grammar_from_lark(lark), f"tools ({choice.mode})")
+
+    def check_tools(self, tools: Sequence[ToolSpec]) -> None:
+        """Compile every tool's parameters schema alone, so a malformed one is a 400 naming its
+        tool even when no grammar would use it."""
+        for tool in tools:
+            self.json_schema(tool.parameters, tool.strict, f"tool {tool.name!r} parameters")
+
+    def compile(self, grammar: str, description: str) -> Constraint:
+        """Validate and build `grammar` (cached). Raises ValueError with llguidance's reason."""
+        with self._lock:
+            hit = self._cache.get(grammar)
+            if hit is not None:
+                self._cache.move_to_end(grammar)
+                return hit
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
+        if error:
+            raise ValueError(f"{description} cannot be compiled: {error.strip()}")
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"{description} cannot be compiled: {matcher.get_error().strip()}")
+        constraint = Constraint(description, grammar, matcher)
+        with self._lock:
+            self._cache[grammar] = constraint
+            while len(self._cache) > _CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        return constraint
+
+
+class MaskedScores(NamedTuple):
+    scores: torch.Tensor  # (R, V): logits with disallowed tokens at -inf (the input if no mask)
+    failed: list[int]  # rows whose grammar is in error or allows no token at all
+
+
+def apply_token_masks(
+    logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None]
+) -> MaskedScores:
+    """Mask every constrained row of `logits` (R, V) in one batched op; never modifies the input.
+
+    Bitmasks are computed on the host (llguidance, microseconds per row), unpacked to a (G, V)
+    boolean and applied with one masked_fill over the constrained rows.
+    """
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return MaskedScores(logits, [])
+    vocab = logits.shape[1]
+    words = (vocab + 31) // 32
+    bitmask = torch.zeros((len(rows), words), dtype=torch.int32)  # (G, W)
+    for j, i in enumerate(rows):
+        matcher = matchers[i]
+        assert matcher is not None
+        matcher.fill_mask(bitmask[j])
+    bits = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(len(rows), words * 32)
+    allowed = allowed[:, :vocab].to(logits.device)  # (G, V)
+    index = torch.tensor(rows, device=logits.device)
+    scores = logits.clone()
+    scores[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    empty = (~allowed.any(dim=1)).nonzero().flatten().tolist()
+    failed = sorted({rows[j] for j in empty} | {i for i in rows if matchers[i].error})  # type: ignore[union-attr]
+    return MaskedScores(scores, failed)
+
+
+def _call_rule(tool: ToolSpec) -> str:
+    """One tool's call in the built-in format, its arguments under the tool's schema."""
+    schema = {**tool.parameters, "x-guidance": {**JSON_STYLE, "lenient": not tool.strict}}
+    return " ".join(
+        [json.dumps(call_prefix(tool.name)), "%json " + json.dumps(schema), json.dumps(CALL_SUFFIX)]
+    )
