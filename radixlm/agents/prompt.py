@@ -173,8 +173,10 @@ class PromptRenderer:
         contents are encoded without special-token parsing and the template's text with it.
         """
         text, spans = _unmark(marked, open_mark, close_mark)
-        if self._backend is None:  # a slow tokenizer: no offsets, so refuse what may forge
-            if any(self._forges(text[a:b]) for a, b in spans):
+        if spans is None or self._backend is None:
+            # No positions (the template transforms content) or no offsets (a slow tokenizer):
+            # refuse content that would forge, encode the rest whole.
+            if self._forges(_contents(marked, open_mark, close_mark)):
                 raise ValueError(_FORGED)
             return self.tokenizer.encode(text, add_special_tokens=False)
         encoding = self._backend.encode(text, add_special_tokens=False)
@@ -194,9 +196,12 @@ class PromptRenderer:
             pos = b
         return ids
 
-    def _forges(self, content: str) -> bool:
-        ids = self.tokenizer.encode(content, add_special_tokens=False)
-        return any(t in self._special for t in ids)
+    def _forges(self, contents: list[str]) -> bool:
+        return any(
+            t in self._special
+            for content in contents
+            for t in self.tokenizer.encode(content, add_special_tokens=False)
+        )
 
 
 _FORGED = (
@@ -220,10 +225,11 @@ def _wrap(content: str, open_mark: str, close_mark: str) -> str:
     return f"{lead}{open_mark}{core}{close_mark}{trail}"
 
 
-def _unmark(marked: str, open_mark: str, close_mark: str) -> tuple[str, list[tuple[int, int]]]:
-    """The text without marks and the content spans they delimited. A template that drops or
-    doubles a mark leaves a stray one: it is removed and its span forgotten (whole-text
-    encoding then decides, which is the tokenizer's plain behaviour)."""
+def _unmark(
+    marked: str, open_mark: str, close_mark: str
+) -> tuple[str, list[tuple[int, int]] | None]:
+    """The text without marks and the content spans they delimited; None for the spans when the
+    template dropped or doubled a mark (it transforms content: positions cannot be trusted)."""
     spans: list[tuple[int, int]] = []
     out: list[str] = []
     length, opened, pos = 0, None, 0
@@ -231,13 +237,21 @@ def _unmark(marked: str, open_mark: str, close_mark: str) -> tuple[str, list[tup
         out.append(marked[pos : match.start()])
         length += match.start() - pos
         pos = match.end()
-        if match.group() == open_mark:
+        if (match.group() == open_mark) != (opened is None):
+            return "".join(out) + marked[pos:].replace(open_mark, "").replace(close_mark, ""), None
+        if opened is None:
             opened = length
-        elif opened is not None:
+        else:
             spans.append((opened, length))
             opened = None
     out.append(marked[pos:])
-    return "".join(out), spans
+    return "".join(out), None if opened is not None else spans
+
+
+def _contents(marked: str, open_mark: str, close_mark: str) -> list[str]:
+    """Whatever lies between an open mark and the next close mark (best effort)."""
+    pattern = f"{re.escape(open_mark)}(.*?){re.escape(close_mark)}"
+    return re.findall(pattern, marked, flags=re.DOTALL)
 
 
 def _overlaps(offset: tuple[int, int], spans: list[tuple[int, int]]) -> bool:

@@ -1,0 +1,182 @@
+"""What one server needs for tool conversations and structured outputs, in one object.
+
+    agents = ChatAgents(tokenizer, vocab_size)        # per server
+    plan = agents.plan(tools, tool_choice, parallel, response_format)   # ValueError -> 400
+    ids = agents.prompt_ids(messages, plan.tools, namespace)            # remembered turns spliced
+    ... generate under plan.constraint ...
+    agents.remember(namespace, text, token_ids, content, calls)         # for the next turn
+
+Planning and rendering block (grammar compilation, template rendering): call them off the event
+loop. Everything here is thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from radixlm.agents.grammar import Constraint, GrammarCompiler
+from radixlm.agents.prompt import PromptRenderer, TurnMemo
+from radixlm.agents.tool_parser import ParseDelta, ToolCall, ToolCallParser, parse_tool_calls
+from radixlm.agents.tools import ToolChoice, ToolSpec, parse_tool_choice, parse_tools
+from radixlm.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """How one chat request uses tools and grammars."""
+
+    tools: list[ToolSpec]  # sorted by name
+    choice: ToolChoice
+    constraint: Constraint | None  # the grammar every sample follows, if any
+
+    @property
+    def parse_calls(self) -> bool:
+        """Outputs are scanned for tool calls (tools were given and may be called)."""
+        return bool(self.tools) and self.choice.mode != "none"
+
+
+class ChatAgents:
+    """The prompt renderer with its turn memo, and the grammar compiler (built on first use:
+    llguidance's token trie takes about a second for a 49k vocabulary)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, memo_capacity: int = 4096) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.memo = TurnMemo(memo_capacity)
+        self.renderer = PromptRenderer(tokenizer, self.memo)
+        self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+            return self._compiler
+
+    def plan(
+        self,
+        tools: object,
+        tool_choice: object,
+        parallel_tool_calls: bool | None,
+        response_format: Mapping[str, Any] | None,
+    ) -> ChatPlan:
+        """Validate tools and compile the request's grammar. Raises ValueError naming the
+        problem: a malformed tool or schema, a named tool not in tools, a schema that cannot
+        compile. A forced tool choice constrains the output; otherwise the response format."""
+        specs = parse_tools(tools)
+        choice = parse_tool_choice(tool_choice, specs)
+        if specs:
+            self.compiler.check_tools(specs)
+        parallel = True if parallel_tool_calls is None else parallel_tool_calls
+        constraint = None
+        if choice.mode != "none" and specs:
+            constraint = self.compiler.tool_calls(specs, choice, parallel)
+        if constraint is None and response_format is not None:
+            constraint = self._response_format(response_format)
+        return ChatPlan(specs, choice, constraint)
+
+    def prompt_ids(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[ToolSpec],
+        namespace: str | None,
+    ) -> list[int]:
+        return self.renderer.prompt_ids(messages, tools, namespace)
+
+    def remember(
+        self,
+        namespace: str | None,
+        text: str,
+        token_ids: Sequence[int],
+        content: str | None,
+        calls: Sequence[ToolCall],
+    ) -> None:
+        """Record the ids behind a returned assistant message. Only ids that decode to exactly
+        the text the client got are kept (a stop string cuts text, not ids); a trailing
+        end-of-sequence id is dropped, since the template writes the turn's end itself."""
+        ids = list(token_ids)
+        if ids and ids[-1] in self.tokenizer.eos_token_ids:
+            ids.pop()
+        if not ids or self.tokenizer.decode(ids) != text:
+            return
+        self.memo.remember(namespace, content, [(c.name, c.arguments) for c in calls], ids)
+
+    def _response_format(self, response_format: Mapping[str, Any]) -> Constraint | None:
+        kind = response_format.get("type")
+        if kind == "json_object":
+            return self.compiler.json_object()
+        if kind == "json_schema":
+            spec = response_format.get("json_schema") or {}
+            name = f"json_schema {spec.get('name', '')!r}"
+            schema = spec.get("schema")
+            if not isinstance(schema, Mapping):
+                raise ValueError(f"{name}: response_format.json_schema.schema must be an object")
+            return self.compiler.json_schema(schema, bool(spec.get("strict")), name)
+        return None
+
+
+@dataclass
+class _Choice:
+    parser: ToolCallParser
+    text: list[str]
+    token_ids: list[int]
+    content: list[str]
+
+
+class ChatOutputs:
+    """One chat request's outputs as OpenAI messages: tool calls parsed out when the request
+    has tools, and every finished choice remembered for the next turn.
+
+    Non-streaming: `message(text, token_ids)` per choice. Streaming: `delta(index, text, ids)` per
+    engine delta and `finish(index)` at its end, which flushes what the parser held back.
+    """
+
+    def __init__(self, agents: ChatAgents, plan: ChatPlan, namespace: str | None) -> None:
+        self.agents = agents
+        self.plan = plan
+        self.namespace = namespace
+        self._choices: dict[int, _Choice] = {}
+
+    def message(self, text: str, token_ids: Sequence[int]) -> tuple[str | None, list[ToolCall]]:
+        """(content, tool calls) of a whole output; remembers it."""
+        if self.plan.parse_calls:
+            parsed = parse_tool_calls(text)
+            content, calls = parsed.content, parsed.tool_calls
+        else:
+            content, calls = text, []
+        self.agents.remember(self.namespace, text, token_ids, content, calls)
+        return content, calls
+
+    def delta(self, index: int, text: str, token_ids: Sequence[int]) -> ParseDelta:
+        """What a streamed increment adds to choice `index`: content and call deltas."""
+        choice = self._choice(index)
+        choice.text.append(text)
+        choice.token_ids.extend(token_ids)
+        out = choice.parser.feed(text) if self.plan.parse_calls else ParseDelta(text)
+        choice.content.append(out.content)
+        return out
+
+    def finish(self, index: int) -> tuple[ParseDelta, bool]:
+        """The held-back rest of choice `index` and whether it made tool calls; remembers it."""
+        choice = self._choice(index)
+        out = choice.parser.finish() if self.plan.parse_calls else ParseDelta()
+        choice.content.append(out.content)
+        calls = choice.parser.calls
+        content = "".join(choice.content)
+        self.agents.remember(
+            self.namespace,
+            "".join(choice.text),
+            choice.token_ids,
+            content if content or not calls else None,
+            calls,
+        )
+        return out, bool(calls)
+
+    def _choice(self, index: int) -> _Choice:
+        if index not in self._choices:
+            self._choices[index] = _Choice(ToolCallParser(), [], [], [])
+        return self._choices[index]
