@@ -4,69 +4,30 @@ the chunking or memory pressure, and every scenario ends with the slot account b
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import save_tiny_model
+from engine_helpers import GREEDY, assert_idle, make_engine, outputs, run, save_engine_model
 
-from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
 from radixlm.engine.engine import Engine
-from radixlm.request import Request, RequestOutput, SamplingParams
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+from radixlm.request import RequestOutput, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("engine-model")
-    save_tiny_model("llama-gqa-llama3rope", path, max_position_embeddings=1024)
+    save_engine_model(path)
     return path
 
 
-@pytest.fixture
-def make_engine(model_dir: Path) -> Callable[..., Engine]:
-    def make(
-        cache: str = "radix",
-        num_slots: int = 4096,
-        page_size: int = 1,
-        **scheduler: Any,
-    ) -> Engine:
-        return Engine(
-            ModelConfig(path=str(model_dir), num_threads=1),
-            CacheConfig(num_slots=num_slots, page_size=page_size, cache=cache),  # type: ignore[arg-type]
-            SchedulerConfig(**scheduler),
-        )
+@pytest.fixture(name="make_engine")
+def make_engine_fixture(model_dir: Path) -> Callable[..., Engine]:
+    def make(**options: Any) -> Engine:
+        return make_engine(model_dir, **options)
 
     return make
-
-
-def run(
-    engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingParams = GREEDY
-) -> list[list[Request]]:
-    """Submit all prompts at once and step until done; the samples of each request."""
-    ids = [engine.add_request(p, params) for p in prompts]
-    samples = [engine.requests(rid) for rid in ids]
-    while engine.has_unfinished():
-        engine.step()
-    assert_idle(engine)
-    return samples
-
-
-def outputs(samples: list[list[Request]]) -> list[list[int]]:
-    return [r.output_ids for s in samples for r in s]
-
-
-def assert_idle(engine: Engine) -> None:
-    """No request holds anything: every slot is free or tree-owned, nothing is locked."""
-    cache = engine.cache
-    cache.check_integrity()
-    assert cache.num_in_flight == 0
-    assert cache.num_protected == 0
-    assert cache.num_free + cache.num_tree_tokens == cache.capacity
-    assert not engine.has_unfinished()
-    assert engine.scheduler.num_running == engine.scheduler.num_waiting == 0
 
 
 def shared_prefix_prompts(seed: int = 0) -> list[list[int]]:

@@ -14,11 +14,17 @@ Slot ownership over a request's life (the prefix cache keeps the account):
     decode   one in-flight slot per generated token
     finish   commit prompt + output to the tree, unlock, free what the tree did not take
     abort    the same as finish, at any stage
+
+Failures: an error that belongs to one request (its sampling state or logits row, its
+detokenizer or stop checks) fails that request alone, all its samples, with finish_reason
+"error", and the step goes on for the others; a failed forward pass belongs to every request in
+it (its caller fails them all with `fail_all`). Either way every slot comes back.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,11 +36,13 @@ from radixlm.cache.prefix_cache import create_prefix_cache
 from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
 from radixlm.detokenizer import OutputStream
 from radixlm.engine.runner import ModelRunner
-from radixlm.engine.sampler import Sampler, SamplingState, TokenLogprobs
+from radixlm.engine.sampler import SampledToken, Sampler, SamplingFailure, SamplingState
 from radixlm.engine.scheduler import ScheduledRequest, Scheduler
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.loader import LoadProgress
 from radixlm.request import Request, RequestState, SamplingParams, StreamDelta, TokenLogprob
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -178,28 +186,42 @@ class Engine:
                 sampling.append(r)
         if not sampling:
             return []
-        sample = self.sampler.sample(logits[rows], [r.sampling for r in sampling])
+        outcomes = self.sampler.sample_each(logits[rows], [r.sampling for r in sampling])
         now = time.perf_counter()
-        return [
-            self._append_token(req, token, logprob, now)
-            for req, token, logprob in zip(sampling, sample.token_ids, sample.logprobs)
-        ]
+        deltas: list[StreamDelta] = []
+        for req, outcome in zip(sampling, outcomes, strict=True):
+            if req.finished:  # failed with another sample of its request this step
+                continue
+            if isinstance(outcome, SamplingFailure):
+                deltas += self._fail(req, "sampling", outcome.error)
+            else:
+                deltas += self._append_token(req, outcome, now)
+        return deltas
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _append_token(
-        self, req: Request, token: int, logprob: TokenLogprobs | None, now: float
-    ) -> StreamDelta:
+    def _append_token(self, req: Request, sampled: SampledToken, now: float) -> list[StreamDelta]:
+        token = sampled.token_id
+        try:
+            text, reason = req.text.push(token)  # the only place that decides why an output ends
+        except Exception as exc:  # the request's own detokenizer or stop checks
+            return self._fail(req, "detokenizing", exc)
         if req.first_token_time is None:
             req.first_token_time = now
         req.output_ids.append(token)
         req.all_ids.append(token)
-        if logprob is not None:
-            req.logprobs.append(TokenLogprob(token, logprob.logprob, tuple(logprob.top)))
-        text, reason = req.text.push(token)  # the only place that decides why an output ends
+        if sampled.logprobs is not None:
+            lp = sampled.logprobs
+            req.logprobs.append(TokenLogprob(token, lp.logprob, tuple(lp.top)))
         if reason is not None:
             self.scheduler.remove(req)  # its KV goes to the tree, its lock is released
-            return self._finish(req, reason, text=text, new_tokens=[token])
-        return self._delta(req, text, [token], None)
+            return [self._finish(req, reason, text=text, new_tokens=[token])]
+        return [self._delta(req, text, [token], None)]
+
+    def _fail(self, req: Request, stage: str, error: Exception) -> list[StreamDelta]:
+        """Fail one request (all its samples) over an error of its own; the others go on."""
+        log.error("request %s failed while %s", req.rid, stage, exc_info=error)
+        message = f"internal error while {stage} this request ({type(error).__name__})"
+        return self._stop(req.rid, "error", message)
 
     def _start_forks(self, leader: Request) -> list[Request]:
         """Forks of an n > 1 request share the leader's prompt KV (via the tree) and logits."""

@@ -79,8 +79,12 @@ class LLM:
             for p, sp in zip(batch, params_list)
         ]
         samples = {rid: self.engine.requests(rid) for rid in ids}
-        while self.engine.has_unfinished():
-            self.engine.step()
+        try:
+            while self.engine.has_unfinished():
+                self.engine.step()
+        except BaseException:  # a failed forward pass belongs to every request in it
+            self.engine.fail_all("internal error in the engine step")
+            raise
         return [_output(rid, samples[rid]) for rid in ids]
 
     def to_token_ids(self, prompt: Prompt) -> list[int]:

@@ -3,13 +3,20 @@
 Pipeline for a batch of R rows (every stage touches only the rows that need it):
 
     raw logits ─► penalties ─► greedy rows: argmax
-                               sampled rows: / temperature ─► top_k ─► softmax ─► top_p ─► min_p
-                                             ─► inverse-CDF draw with the row's own uniform
+                               sampled rows: (- row max) / temperature ─► top_k ─► top_p ─► min_p
+                                             ─► exp ─► inverse-CDF draw with the row's own uniform
 
 Reproducibility: each sampled row consumes exactly one uniform number per step, drawn from its
 request's own `random.Random` (seeded from `SamplingParams.seed`) or, for unseeded requests, from
 the sampler's shared stream. A seeded request therefore gets the same tokens whatever else shares
 its batch, and on any device (the uniforms are drawn on the host).
+
+Failure isolation: `sample_each` gives every row its own outcome, a token or the error that
+row raised, so one request's bad state or bad logits never cost the other rows their token.
+
+Numerical safety for every accepted parameter value is the business of `sampling_ops` (the
+filters) and `apply_penalties` (clamped penalties); rows whose logits have no finite maximum
+(NaN or inf from the model) raise `NonFiniteLogitsError`.
 
 The sampler keeps no per-request state of its own and never modifies the logits it is given.
 """
@@ -23,10 +30,22 @@ from typing import NamedTuple
 
 import torch
 
+from radixlm.engine.sampling_ops import (
+    FLOAT32,
+    column,
+    inverse_cdf,
+    keep_min_p,
+    keep_top_k,
+    keep_top_p,
+    scale_by_temperature,
+)
 from radixlm.request import SamplingParams
 
-# How many of a row's most likely tokens top-p examines before it falls back to sorting the row.
-_NUCLEUS_PROBE = 128
+# A repetition penalty further from 1 than these orders tokens no differently for logits of
+# magnitude 1e-4 .. 1e4 (seen positive logits stay above every unseen one, seen negative ones
+# between 0 and every unseen negative one), while beyond them x / p and x * p leave float32.
+MIN_REPETITION_PENALTY = 1e-30
+MAX_REPETITION_PENALTY = 1e30
 
 
 @dataclass
@@ -74,6 +93,23 @@ class SampleOutput(NamedTuple):
     logprobs: list[TokenLogprobs | None]  # per row; None where the request asked for none
 
 
+class SampledToken(NamedTuple):
+    """One row's outcome of `Sampler.sample_each`: its token."""
+
+    token_id: int
+    logprobs: TokenLogprobs | None  # None where the request asked for none
+
+
+class SamplingFailure(NamedTuple):
+    """One row's outcome of `Sampler.sample_each`: what sampling it raised."""
+
+    error: Exception
+
+
+class NonFiniteLogitsError(ValueError):
+    """A row's logits have no finite maximum (NaN, +inf, or every token -inf)."""
+
+
 class Sampler:
     """Chooses the next token for every row of a batch; see the module docstring."""
 
@@ -87,46 +123,101 @@ class Sampler:
         (its own `rng`, or the sampler's for unseeded rows), by exactly one draw per step.
         Logprobs are those of the raw logits (log_softmax before penalties, temperature and
         truncation): the model's own distribution, comparable across sampling settings.
+        Raises what any row raises (see `sample_each` for per-row outcomes).
         """
-        if logits.dim() != 2 or logits.shape[0] != len(states):
-            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} states")
+        _check_shape(logits, states)
         if not states:
             return SampleOutput([], [])
+        return self._sample(logits, states, [self._draw(s) for s in states])
+
+    def sample_each(
+        self, logits: torch.Tensor, states: Sequence[SamplingState]
+    ) -> list[SampledToken | SamplingFailure]:
+        """`sample`, with one outcome per row: a row that raises fails alone.
+
+        The batch is sampled in one call; only if that call raises is it repeated row by row
+        to find the rows at fault. Each row's uniform is drawn once, before either attempt, so
+        the rows that succeed get exactly the tokens one batched call would have given them.
+        """
+        _check_shape(logits, states)
+        uniforms: dict[int, float] = {}
+        failed: dict[int, SamplingFailure] = {}
+        for i, state in enumerate(states):
+            try:
+                uniforms[i] = self._draw(state)
+            except Exception as exc:
+                failed[i] = SamplingFailure(exc)
+        rows = list(uniforms)
+        sampled: dict[int, SampledToken] = {}
+        try:
+            batch = logits if len(rows) == len(states) else logits[rows]
+            out = self._sample(batch, [states[i] for i in rows], list(uniforms.values()))
+            for i, token, logprobs in zip(rows, out.token_ids, out.logprobs, strict=True):
+                sampled[i] = SampledToken(token, logprobs)
+        except Exception:
+            for i in rows:  # find the rows at fault
+                try:
+                    out = self._sample(logits[i : i + 1], [states[i]], [uniforms[i]])
+                    sampled[i] = SampledToken(out.token_ids[0], out.logprobs[0])
+                except Exception as exc:
+                    failed[i] = SamplingFailure(exc)
+        return [sampled[i] if i in sampled else failed[i] for i in range(len(states))]
+
+    def _draw(self, state: SamplingState) -> float:
+        """The row's uniform for this step (greedy rows draw none: theirs is never read)."""
+        if state.params.greedy:
+            return 0.0
+        return (state.rng or self._rng).random()
+
+    def _sample(
+        self, logits: torch.Tensor, states: Sequence[SamplingState], uniforms: Sequence[float]
+    ) -> SampleOutput:
         logits = logits.float()  # a no-op for float32; half-precision cdfs would be too coarse
         scores = apply_penalties(logits, states)  # (R, V), a copy when any penalty applies
+        best = scores.max(dim=-1)  # (R,) values and indices: the greedy choice, first of ties
+        finite = torch.isfinite(best.values)
+        if not bool(finite.all()):
+            rows = (~finite).nonzero().flatten().tolist()
+            raise NonFiniteLogitsError(f"rows {rows} have no finite maximum logit")
+        token_ids = best.indices
         sampled_rows = [i for i, s in enumerate(states) if not s.params.greedy]
-        if not sampled_rows:
-            token_ids = scores.argmax(dim=-1)  # (R,) the greedy fast path
-        elif len(sampled_rows) == len(states):
-            token_ids = self._sample_rows(scores, states)
-        else:
-            token_ids = scores.argmax(dim=-1)  # the sampled rows overwrite their choice
+        if len(sampled_rows) == len(states):
+            token_ids = self._sample_rows(scores, best.values, states, uniforms)
+        elif sampled_rows:  # the sampled rows overwrite their greedy choice
             index = torch.tensor(sampled_rows, device=logits.device)
-            token_ids[index] = self._sample_rows(scores[index], [states[i] for i in sampled_rows])
+            token_ids[index] = self._sample_rows(
+                scores[index],
+                best.values[index],
+                [states[i] for i in sampled_rows],
+                [uniforms[i] for i in sampled_rows],
+            )
         chosen = token_ids.tolist()
         return SampleOutput(chosen, _logprobs(logits, states, chosen))
 
-    def _sample_rows(self, scores: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-        """Draw one token per row of `scores` (S, V), all with temperature > 0.
-
-        Every pass over (S, V) costs milliseconds on a CPU (64 x 49152 floats are 12.6 MB), so
-        the filters work in place on tensors this function owns and skip rows that are off.
-        """
+    def _sample_rows(
+        self,
+        scores: torch.Tensor,
+        row_max: torch.Tensor,
+        states: Sequence[SamplingState],
+        uniforms: Sequence[float],
+    ) -> torch.Tensor:
+        """Draw one token per row of `scores` (S, V), all with temperature > 0."""
         device = scores.device
-        scores = scores / _column([s.params.temperature for s in states], device)  # a new tensor
-        _keep_top_k(scores, [s.params.top_k for s in states])
-        probs = torch.softmax(scores, dim=-1)  # (S, V); excluded tokens are exactly 0
-        _keep_top_p(probs, [s.params.top_p for s in states])
-        _keep_min_p(probs, [s.params.min_p for s in states])
-        uniforms = [(s.rng or self._rng).random() for s in states]
-        return _inverse_cdf(probs, torch.tensor(uniforms, device=device))
+        scaled = scale_by_temperature(scores, row_max, [s.params.temperature for s in states])
+        keep_top_k(scaled, [s.params.top_k for s in states])
+        keep_top_p(scaled, [s.params.top_p for s in states])
+        keep_min_p(scaled, [s.params.min_p for s in states])
+        weights = scaled.exp_()  # (S, V) unnormalised: the top token 1, excluded tokens 0
+        return inverse_cdf(weights, torch.tensor(list(uniforms), device=device))
 
 
 def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
     """Return logits with each row's penalties applied (the input itself when there are none).
 
     repetition (HF/CTRL): a logit of a token seen in prompt or output is divided by the penalty
-    when positive, multiplied by it when negative. presence/frequency (OpenAI):
+    when positive, multiplied by it when negative; the penalty is clamped to
+    [MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY] and the result to float32's range, so
+    finite logits stay finite and keep their order. presence/frequency (OpenAI):
     logit -= frequency * count + presence * (count > 0), counting the output only.
     """
     rep_rows = [i for i, s in enumerate(states) if s.params.repetition_penalty != 1.0]
@@ -144,18 +235,28 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> to
             torch.cat([states[i].prompt_tensor(), _ids(states[i].output_ids)]) for i in rep_rows
         ]
         seen = (_occurrences(seqs, vocab_size) > 0).to(device)  # (P, V)
-        penalty = _column([states[i].params.repetition_penalty for i in rep_rows], device)
+        penalty = column([_clamped_penalty(states[i].params) for i in rep_rows], device)
         rows = torch.tensor(rep_rows, device=device)
         x = logits[rows]
-        logits[rows] = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+        x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+        logits[rows] = x.clamp_(FLOAT32.min, FLOAT32.max)
     if freq_rows:
         counts = _occurrences([_ids(states[i].output_ids) for i in freq_rows], vocab_size)
         counts = counts.to(device)  # (F, V)
-        frequency = _column([states[i].params.frequency_penalty for i in freq_rows], device)
-        presence = _column([states[i].params.presence_penalty for i in freq_rows], device)
+        frequency = column([states[i].params.frequency_penalty for i in freq_rows], device)
+        presence = column([states[i].params.presence_penalty for i in freq_rows], device)
         rows = torch.tensor(freq_rows, device=device)
         logits[rows] -= frequency * counts + presence * (counts > 0)
     return logits
+
+
+def _clamped_penalty(params: SamplingParams) -> float:
+    return min(max(params.repetition_penalty, MIN_REPETITION_PENALTY), MAX_REPETITION_PENALTY)
+
+
+def _check_shape(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
+    if logits.dim() != 2 or logits.shape[0] != len(states):
+        raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} states")
 
 
 def _occurrences(seqs: Sequence[torch.Tensor], vocab_size: int) -> torch.Tensor:
@@ -166,102 +267,8 @@ def _occurrences(seqs: Sequence[torch.Tensor], vocab_size: int) -> torch.Tensor:
     return counts
 
 
-def _keep_top_k(scores: torch.Tensor, top_k: Sequence[int | None]) -> None:
-    """In place: -inf all but each row's k highest scores (ties with the k-th stay)."""
-    rows = [i for i, k in enumerate(top_k) if k is not None and k < scores.shape[1]]
-    if not rows:
-        return
-    ks = torch.tensor([top_k[i] for i in rows], device=scores.device)
-    sub, index = _take_rows(scores, rows)  # (K, V)
-    ranked = torch.topk(sub, int(ks.max()), dim=-1).values  # (K, max_k), descending
-    kth = ranked.gather(1, (ks - 1)[:, None])  # (K, 1)
-    sub.masked_fill_(sub < kth, float("-inf"))
-    _put_rows(scores, index, sub)
-
-
-def _keep_top_p(probs: torch.Tensor, top_p: Sequence[float]) -> None:
-    """In place: zero every token outside its row's nucleus.
-
-    A token is in the nucleus when the mass of the tokens strictly more likely than it is below
-    top_p, so tied tokens are kept or dropped together. A full sort of V probabilities costs
-    ~3 ms per row on a CPU core, so the nucleus is first looked for among each row's
-    `_NUCLEUS_PROBE` most likely tokens (one batched topk), which hold it whenever their mass
-    reaches top_p; only the other rows are sorted, and then only their candidates.
-    """
-    rows = [i for i, p in enumerate(top_p) if p < 1.0]
-    if not rows:
-        return
-    sub, index = _take_rows(probs, rows)  # (P, V)
-    p_col = _column([top_p[i] for i in rows], probs.device)  # (P, 1)
-    ranked = torch.topk(sub, min(_NUCLEUS_PROBE, sub.shape[1]), dim=-1).values  # (P, k)
-    mass_above = ranked.cumsum(dim=-1) - ranked
-    last = (mass_above < p_col).sum(dim=-1, keepdim=True) - 1  # >= 0: the top has none above
-    threshold = ranked.gather(1, last)  # (P, 1) the least likely token of the nucleus
-    beyond_probe = (ranked.sum(dim=-1) < p_col[:, 0]).nonzero().flatten().tolist()
-    for j in beyond_probe:
-        threshold[j, 0] = _nucleus_threshold(sub[j], top_p[rows[j]])
-    sub.masked_fill_(sub < threshold, 0.0)
-    _put_rows(probs, index, sub)
-
-
-def _keep_min_p(probs: torch.Tensor, min_p: Sequence[float]) -> None:
-    """In place: zero the tokens less likely than min_p times their row's most likely token."""
-    if all(p == 0.0 for p in min_p):
-        return
-    max_prob = probs.max(dim=-1, keepdim=True).values  # (S, 1)
-    probs.masked_fill_(probs < _column(min_p, probs.device) * max_prob, 0.0)
-
-
-def _take_rows(x: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(x itself, None) when `rows` are all of x's rows, else (a copy of those rows, index)."""
-    if len(rows) == x.shape[0]:
-        return x, None
-    index = torch.tensor(rows, device=x.device)
-    return x[index], index
-
-
-def _put_rows(x: torch.Tensor, index: torch.Tensor | None, rows: torch.Tensor) -> None:
-    """Write back what `_take_rows` copied out (nothing to do when it handed out x itself)."""
-    if index is not None:
-        x[index] = rows
-
-
-def _nucleus_threshold(row: torch.Tensor, top_p: float) -> float:
-    """The probability of the least likely token in the nucleus of one row (V,).
-
-    Only candidates are sorted: a token with p <= (1 - top_p) / V has at least 1 - V * p >=
-    top_p of mass above it, so it is never in the nucleus.
-    """
-    candidates = row[row > 0.5 * (1.0 - top_p) / row.shape[0]]  # halved: slack for rounding
-    ranked = candidates.sort(descending=True).values
-    mass_above = ranked.cumsum(dim=0) - ranked
-    return float(ranked[int((mass_above < top_p).sum()) - 1])
-
-
-def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
-    """(len(values), 1) float32 on `device`, to broadcast one value per row."""
-    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
-
-
 def _ids(token_ids: Sequence[int]) -> torch.Tensor:
     return torch.as_tensor(list(token_ids), dtype=torch.long)
-
-
-def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Token i of each row such that cdf[i-1] <= u * total < cdf[i], for u in [0, 1).
-
-    A zero-probability token has cdf[i] == cdf[i-1], so it can never be chosen; the rows need
-    not be normalised.
-    """
-    cdf = probs.cumsum(dim=-1)  # (S, V)
-    targets = uniforms.to(cdf.dtype) * cdf[:, -1]
-    chosen = torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)
-    overflow = chosen == cdf.shape[1]
-    if bool(overflow.any()):
-        # u * total rounded up to total: take the last token with mass (the cdf's first maximum
-        # is where it last grew).
-        chosen = torch.where(overflow, cdf.argmax(dim=-1), chosen)
-    return chosen
 
 
 def _logprobs(
@@ -274,7 +281,7 @@ def _logprobs(
     logprobs = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)], dim=-1)
     chosen_ids = torch.tensor([[chosen[i]] for i in rows], device=logits.device)
     chosen_logprobs = logprobs.gather(1, chosen_ids).squeeze(1).tolist()
-    num_top = max(states[i].params.logprobs or 0 for i in rows)
+    num_top = min(max(states[i].params.logprobs or 0 for i in rows), logits.shape[1])
     top = torch.topk(logprobs, num_top, dim=-1)  # (L, num_top)
     top_values, top_ids = top.values.tolist(), top.indices.tolist()
     for j, i in enumerate(rows):

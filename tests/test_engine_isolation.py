@@ -1,0 +1,170 @@
+"""One request must never hurt another (issue 19): an error that belongs to one request (its
+sampling, its detokenizer or stop checks) fails that request alone, the others finish with the
+very tokens they get without it, and the slot account is back at idle."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+from engine_helpers import GREEDY, assert_idle, make_engine, outputs, run, save_engine_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from radixlm.detokenizer import OutputStream, TextDelta
+from radixlm.engine.engine import Engine
+from radixlm.engine.sampler import SamplingState
+from radixlm.request import Request, SamplingParams, StreamDelta
+
+MAX_TOKENS = 10
+PARAMS = [  # one per prompt: greedy, n = 2 (seeded forks), seeded sampling, greedy again
+    replace(GREEDY, max_tokens=MAX_TOKENS),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=3, n=2, max_tokens=MAX_TOKENS, ignore_eos=True),
+    SamplingParams(temperature=1.0, top_k=20, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True),
+    replace(GREEDY, max_tokens=MAX_TOKENS),
+]
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(19)
+    system = [rng.randrange(1, 250) for _ in range(30)]
+    return [system + [rng.randrange(1, 250) for _ in range(n)] for n in (5, 17, 9, 40)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("isolation-model")
+    save_engine_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> dict[int, list[list[int]]]:
+    """chunk size -> every sample's tokens when nothing fails."""
+    return {
+        chunk: outputs(submit_and_run(make_engine(model_dir, chunk_size=chunk), [])[0])
+        for chunk in (8, 512)
+    }
+
+
+class FaultySampling(SamplingState):
+    """Raises inside the batched sampling call once its request has `fail_at` output tokens
+    (its repetition penalty makes the sampler read `prompt_tensor`)."""
+
+    def __init__(self, state: SamplingState, fail_at: int) -> None:
+        params = replace(state.params, repetition_penalty=1.2)
+        super().__init__(params, state.prompt_ids, state.output_ids, state.sample_index)
+        self.fail_at = fail_at
+
+    def prompt_tensor(self) -> torch.Tensor:
+        if len(self.output_ids) >= self.fail_at:
+            raise RuntimeError("injected sampling fault")
+        return super().prompt_tensor()
+
+
+def faulty_detokenizer(stream: OutputStream, fail_at: int) -> None:
+    """Make the stream's push raise on the output's token number `fail_at`."""
+    push = stream.push
+
+    def fault(token_id: int) -> TextDelta:
+        if len(stream.token_ids) >= fail_at:
+            raise RuntimeError("injected detokenizer fault")
+        return push(token_id)
+
+    stream.push = fault  # type: ignore[method-assign]
+
+
+class Fault(NamedTuple):
+    prompt: int  # which request
+    sample: int  # which of its samples
+    stage: str  # "sampling" or "detokenizing"
+    fail_at: int  # raises once the sample has this many output tokens
+
+
+def submit_and_run(
+    engine: Engine, faults: list[Fault]
+) -> tuple[list[list[Request]], list[StreamDelta]]:
+    ids = [engine.add_request(p, params) for p, params in zip(prompts(), PARAMS, strict=True)]
+    samples = [engine.requests(rid) for rid in ids]
+    for fault in faults:
+        req = samples[fault.prompt][fault.sample]
+        if fault.stage == "sampling":
+            req.sampling = FaultySampling(req.sampling, fault.fail_at)
+        else:
+            faulty_detokenizer(req.text, fault.fail_at)
+    deltas = []
+    while engine.has_unfinished():
+        deltas += engine.step()
+    assert_idle(engine)
+    return samples, deltas
+
+
+def fault_lists() -> st.SearchStrategy[list[Fault]]:
+    fault = st.builds(
+        Fault,
+        prompt=st.integers(0, len(PARAMS) - 1),
+        sample=st.integers(0, 1),
+        stage=st.sampled_from(["sampling", "detokenizing"]),
+        fail_at=st.integers(0, MAX_TOKENS - 1),
+    ).map(lambda f: f._replace(sample=min(f.sample, PARAMS[f.prompt].n - 1)))
+    return st.lists(fault, min_size=1, max_size=2, unique_by=lambda f: f.prompt)
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(faults=fault_lists(), chunk=st.sampled_from([8, 512]))
+def test_a_fault_in_one_request_fails_it_alone(
+    model_dir: Path, reference: dict[int, list[list[int]]], faults: list[Fault], chunk: int
+) -> None:
+    engine = make_engine(model_dir, chunk_size=chunk)
+    samples, deltas = submit_and_run(engine, faults)
+    faulty = {f.prompt: f for f in faults}
+    expected = iter(reference[chunk])
+    for i, request in enumerate(samples):
+        for req in request:
+            tokens = next(expected)
+            if i not in faulty:
+                assert req.output_ids == tokens
+                assert req.finish_reason == "length" and req.error is None
+                continue
+            # every sample of a faulty request fails, the faulty one at its `fail_at`
+            assert req.finish_reason == "error"
+            assert req.error is not None and faulty[i].stage in req.error
+            if req.index == faulty[i].sample:
+                assert len(req.output_ids) == faulty[i].fail_at
+    failed = sorted(d.request_id for d in deltas if d.finish_reason == "error")
+    assert failed == sorted(r.rid for i in faulty for r in samples[i])
+    assert engine.stats.aborted_requests == len(faults)
+    # the engine goes on serving: a new batch gives the reference tokens
+    assert outputs(run(engine, [prompts()[0]], PARAMS[0])) == [reference[chunk][0]]
+
+
+def test_tiny_sampling_values_run_beside_the_others(
+    model_dir: Path, reference: dict[int, list[list[int]]]
+) -> None:
+    """Issue 19: top_p / temperature / repetition_penalty of 1e-300 failed every request in
+    the batch (500 for all); now they run, and the tiny temperature and top_p are greedy."""
+    engine = make_engine(model_dir)
+    tiny = [
+        SamplingParams(temperature=1.0, top_p=1e-300, max_tokens=MAX_TOKENS, ignore_eos=True),
+        SamplingParams(temperature=1e-300, top_p=0.9, max_tokens=MAX_TOKENS, ignore_eos=True),
+        SamplingParams(
+            repetition_penalty=1e-300, top_p=0.9, max_tokens=MAX_TOKENS, ignore_eos=True
+        ),
+    ]
+    prompt = prompts()[0]
+    ids = [engine.add_request(p, params) for p, params in zip(prompts(), PARAMS, strict=True)]
+    ids += [engine.add_request(prompt, params) for params in tiny]
+    samples = [engine.requests(rid) for rid in ids]
+    while engine.has_unfinished():
+        engine.step()
+    assert_idle(engine)
+    assert all(r.finish_reason == "length" and r.error is None for s in samples for r in s)
+    assert outputs(samples[: len(PARAMS)]) == reference[512]
+    greedy = reference[512][0]  # PARAMS[0] is greedy on the same prompt
+    assert outputs(samples[len(PARAMS) :][:2]) == [greedy, greedy]

@@ -1,0 +1,201 @@
+"""The sampler at the edges of what SamplingParams accepts: every value gives a valid token and
+finite logprobs, penalties never reorder tokens, and the limits are the greedy choice (a tiny
+temperature, a tiny top_p, top_k 1, min_p 1). The reproductions of issue 19 come first."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixlm.engine.sampler import (
+    NonFiniteLogitsError,
+    SampledToken,
+    Sampler,
+    SamplingFailure,
+    SamplingState,
+    apply_penalties,
+)
+from radixlm.request import SamplingParams
+
+
+def wide_logits(rows: int, vocab: int, seed: int, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 7e-46, 1e-46])
+def test_a_tiny_top_p_keeps_the_top_token(top_p: float) -> None:
+    # issue 19: `index -1 is out of bounds` in _keep_top_p (top_p is 0.0 in float32)
+    logits = wide_logits(4, 1000, seed=0)
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    out = Sampler(seed=0).sample(logits, [SamplingState(params) for _ in range(4)])
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-45, 1e-38, 1e-37])
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_a_tiny_temperature_is_the_greedy_choice(temperature: float, top_p: float) -> None:
+    # issue 19: token id 0 (the least likely) once logits / temperature overflowed to inf
+    logits = wide_logits(4, 1000, seed=1, scale=20.0)  # maxima near 70: 70 / 1e-37 > float32
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    out = Sampler(seed=1).sample(logits, [SamplingState(params) for _ in range(4)])
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 1e-45, 1e300, math.inf])
+@pytest.mark.parametrize("temperature", [0.0, 1e-300, 1.0])
+def test_an_extreme_repetition_penalty_keeps_the_exact_order(
+    penalty: float, temperature: float
+) -> None:
+    # issue 19: repetition_penalty 1e-300 divided by 0.0 (inf logits, then a crash or token 0)
+    logits = wide_logits(3, 64, seed=2)
+    prompt = list(range(0, 64, 3))
+    params = SamplingParams(temperature=temperature, top_p=0.9, repetition_penalty=penalty)
+    states = [SamplingState(params, prompt_ids=prompt) for _ in range(3)]
+    ours = apply_penalties(logits, states)
+    assert bool(torch.isfinite(ours).all())
+    for row in range(3):
+        exact = exact_penalised(logits[row], params, prompt, [])
+        assert_same_order(ours[row], exact)
+    if temperature < 1e-37:  # the greedy limit: the exact maximum (logits here have no ties)
+        out = Sampler(seed=2).sample(logits, states)
+        for row, token in enumerate(out.token_ids):
+            exact = exact_penalised(logits[row], params, prompt, [])
+            assert exact[token] == max(exact)
+
+
+def test_non_finite_logits_fail_their_row_alone() -> None:
+    logits = wide_logits(4, 50, seed=3)
+    logits[1, 7] = math.nan
+    logits[2] = -math.inf
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=1)] * 2
+    states = [SamplingState(p) for p in params]
+    outcomes = Sampler(seed=3).sample_each(logits, states)
+    assert [type(o) for o in outcomes] == [SampledToken, SamplingFailure, SamplingFailure,
+                                           SampledToken]  # fmt: skip
+    assert all(isinstance(o.error, NonFiniteLogitsError) for o in outcomes[1:3])
+    with pytest.raises(NonFiniteLogitsError):
+        Sampler().sample(logits, states)
+    # the healthy rows got what a batch of only them gives (row 3's seeded draw included)
+    healthy = Sampler(seed=3).sample(logits[[0, 3]], [SamplingState(p) for p in params[:2]])
+    assert [outcomes[0].token_id, outcomes[3].token_id] == healthy.token_ids  # type: ignore[union-attr]
+
+
+TINY_TEMPERATURE = 1e-37
+TINY_TOP_P = 1e-3  # below 1 / vocab: only the most likely token can be in the nucleus
+
+logit_values = st.integers(-3000, 3000).map(lambda k: k / 100)  # |x| in {0} U [0.01, 30]
+temperatures = st.one_of(
+    st.just(0.0),
+    st.floats(0.0, TINY_TEMPERATURE),
+    st.floats(min_value=0.0, allow_infinity=True),
+)
+top_ps = st.one_of(
+    st.floats(0.0, TINY_TOP_P, exclude_min=True), st.floats(0.0, 1.0, exclude_min=True)
+)
+sampling_params = st.builds(
+    SamplingParams,
+    temperature=temperatures,
+    top_p=top_ps,
+    top_k=st.one_of(st.none(), st.integers(1, 50), st.integers(1, 10**18)),
+    min_p=st.one_of(st.just(1.0), st.floats(0.0, 1.0)),
+    repetition_penalty=st.one_of(
+        st.just(1.0), st.floats(min_value=0.0, exclude_min=True, allow_infinity=True)
+    ),
+    presence_penalty=st.floats(-2.0, 2.0),
+    frequency_penalty=st.floats(-2.0, 2.0),
+    seed=st.one_of(st.none(), st.integers(0, 2**63 - 1)),
+    logprobs=st.one_of(st.none(), st.integers(0, 20)),
+)
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> tuple[torch.Tensor, list[SamplingState]]:
+    vocab = draw(st.integers(2, 40))
+    rows = draw(st.integers(1, 4))
+    logits = torch.tensor(
+        draw(st.lists(st.lists(logit_values, min_size=vocab, max_size=vocab), min_size=rows,
+                      max_size=rows))
+    )  # fmt: skip
+    ids = st.lists(st.integers(0, vocab - 1), max_size=12)
+    states = [
+        SamplingState(draw(sampling_params), prompt_ids=draw(ids), output_ids=draw(ids))
+        for _ in range(rows)
+    ]
+    return logits, states
+
+
+@settings(max_examples=400, deadline=None)
+@given(batches())
+def test_every_accepted_parameter_gives_a_valid_token_and_the_greedy_limits(
+    batch: tuple[torch.Tensor, list[SamplingState]],
+) -> None:
+    logits, states = batch
+    vocab = logits.shape[1]
+    ours = apply_penalties(logits, states)
+    assert bool(torch.isfinite(ours).all())
+    outcomes = Sampler(seed=0).sample_each(logits, states)
+    raw = torch.log_softmax(logits.double(), dim=-1)
+    for row, (state, outcome) in enumerate(zip(states, outcomes)):
+        assert isinstance(outcome, SampledToken), outcome
+        token, params = outcome.token_id, state.params
+        assert 0 <= token < vocab
+        exact = exact_penalised(logits[row], params, state.prompt_ids, state.output_ids)
+        assert_same_order(ours[row], exact)
+        # top_k: fewer than k tokens are clearly more likely than the chosen one
+        if params.top_k is not None:
+            assert sum(clearly_above(e, exact[token]) for e in exact) < params.top_k
+        at_the_limit = (
+            params.temperature <= TINY_TEMPERATURE
+            or params.top_p <= TINY_TOP_P
+            or params.top_k == 1
+            or params.min_p == 1.0
+        )
+        if at_the_limit:  # the greedy choice (or one tied with it)
+            assert not any(clearly_above(e, exact[token]) for e in exact)
+        if params.logprobs is not None:
+            assert outcome.logprobs is not None
+            assert math.isfinite(outcome.logprobs.logprob)
+            assert outcome.logprobs.logprob == pytest.approx(float(raw[row, token]), abs=1e-5)
+            assert len(outcome.logprobs.top) == min(params.logprobs, vocab)
+            assert all(math.isfinite(v) for _, v in outcome.logprobs.top)
+
+
+# ---- an exact reference --------------------------------------------------------------------
+def exact_penalised(
+    logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]
+) -> list[Fraction]:
+    """The penalised logits of one row in exact rational arithmetic (no clamping, no rounding)."""
+    seen = set(prompt) | set(output)
+    p = params.repetition_penalty
+    scores = []
+    for token, value in enumerate(logits.tolist()):
+        x = Fraction(value)
+        if token in seen and p != 1.0:
+            if math.isinf(p):
+                x = Fraction(0) if x > 0 else (x * 10**400 if x < 0 else x)  # x * inf, as a limit
+            else:
+                x = x / Fraction(p) if x > 0 else x * Fraction(p)
+        count = output.count(token)
+        if count:
+            x -= Fraction(params.frequency_penalty) * count + Fraction(params.presence_penalty)
+        scores.append(x)
+    return scores
+
+
+def clearly_above(a: Fraction, b: Fraction) -> bool:
+    """a > b by more than float32 rounding of the penalty arithmetic could account for."""
+    return a - b > Fraction(1, 10**5) * max(1, abs(a), abs(b))
+
+
+def assert_same_order(ours: torch.Tensor, exact: list[Fraction]) -> None:
+    """Wherever the exact scores differ clearly, ours order the two tokens the same way."""
+    values = ours.tolist()
+    for i, a in enumerate(exact):
+        for j, b in enumerate(exact):
+            if clearly_above(a, b):
+                assert values[i] > values[j], (i, j, values[i], values[j], float(a), float(b))
