@@ -15,11 +15,11 @@ import torch
 from test_native_kernel import ISAS, require_native_kernels
 
 from radixlm.cache.kv_pool import KVPool
-from radixlm.model import native, shared_prefix
+from radixlm.model import native, packed_linear, shared_prefix
 from radixlm.model.forward_batch import ForwardBatch, ForwardMode
 from radixlm.model.loader import load_causal_lm
 from radixlm.model.shared_prefix import find_shared_prefixes
-from radixlm.model.transformer import CausalLM, DecoderLayer
+from radixlm.model.transformer import CausalLM, DecoderLayer, Linear
 
 TOLERANCE = 1e-4
 SEQ_LEN = 24
@@ -380,7 +380,37 @@ def test_greedy_outputs_with_and_without_the_cache_per_variant(
 
     prompts = shared_prefix_prompts()
     engine = make("radix")
-    assert engine.runner.model.native_kernels
+    assert engine.runner.kernels_isa == isa  # what /v1/cache reports as kernels_isa
     reference = outputs(run(make("none"), prompts))
     assert outputs(run(engine, prompts)) == reference
     assert outputs(run(engine, prompts)) == reference  # warm: most prompts hit the cache
+
+
+def test_bfloat16_runs_where_onednn_cannot_pack_it(tiny_hf_model, isa: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Where oneDNN refuses to pack bfloat16 weights (a CPU with AVX2 but not AVX-512;
+    pretended here), a bfloat16 model still loads and runs: dense weights for F.linear, the
+    native kernels' own packing for theirs (the fused decode step included)."""
+    real = packed_linear._onednn_pack
+
+    def refuse(weight: torch.Tensor) -> torch.Tensor:
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs avx512bw")
+        return real(weight)
+
+    monkeypatch.setattr(packed_linear, "_onednn_pack", refuse)
+    packed_linear.packs.cache_clear()
+    try:
+        tiny = tiny_hf_model("llama-gqa-llama3rope")
+        model = load_causal_lm(str(tiny.path), dtype="bfloat16")
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        assert linears and not any(m.weight.is_mkldnn for m in linears)
+        assert model.fused_decode() is not None
+        ids = random_ids(SEQ_LEN, seed=7)
+        session = Session(model, kv_dtype=torch.bfloat16)
+        logits, (slots,) = session.forward([ids[:-1]], [EMPTY], all_logits=True)
+        step, _ = session.forward([ids[-1:]], [slots], all_logits=False)
+        want = reference_logits(tiny.reference, ids)
+        assert (logits - want[:-1]).abs().max() < 0.5
+        assert (step - want[-1:]).abs().max() < 0.5
+    finally:
+        packed_linear.packs.cache_clear()

@@ -10,6 +10,9 @@ machine hurts both sides alike and rarely decides the ratio.
             DynamicCache that holds the same context, (time(1 + S tokens) - time(1 token)) / S.
   bandwidth bytes a decode step must read (every weight once + the K/V of B x C tokens) / step
             time: the roofline number for a memory-bound step.
+  pytorch   ours with the native kernels off (as RADIXLM_NATIVE=0 runs): PyTorch ops + oneDNN.
+The JSON names the kernel variant that ran (`kernels.isa`; force one with RADIXLM_ISA) and the
+CPU (model name and ISA flags); each row carries ours' speedup over the other sides.
 `--profile` prints a torch.profiler table of one prefill and one decode step of ours.
 """
 
@@ -19,6 +22,7 @@ import argparse
 import copy
 import json
 import os
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,11 +31,14 @@ import numpy as np
 import torch
 
 from radixlm.cache.kv_pool import KVPool
+from radixlm.model import native, native_build
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.loader import DTYPES, default_model_path, load_causal_lm
 from radixlm.model.transformer import CausalLM
 
 Timer = Callable[[], float]  # runs once, returns seconds
+# environment variables that choose the paths measured (recorded in the JSON when set)
+ENV_KEYS = ("RADIXLM_ISA", "RADIXLM_NATIVE", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=8, help="decode steps per round")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; best kept")
     parser.add_argument("--no-transformers", action="store_true", help="ours only")
+    parser.add_argument("--no-pytorch", action="store_true", help="skip ours without kernels")
     parser.add_argument("--dense", action="store_true", help="also ours with unpacked weights")
     parser.add_argument("--profile", action="store_true", help="profile one prefill and decode")
 
@@ -55,22 +63,28 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     path = args.model or default_model_path()
     sides: dict[str, Any] = {"ours": load_causal_lm(path, args.dtype)}
+    if not args.no_pytorch:
+        sides["pytorch"] = _load_without_kernels(path, args.dtype)
     if args.dense:
         sides["ours_dense"] = load_causal_lm(path, args.dtype, pack_weights=False)
     if not args.no_transformers:
         sides["transformers"] = _load_transformers(path, args.dtype)
     results: dict[str, Any] = {"model": path, "dtype": args.dtype, "threads": threads}
+    results.update(_setup())
     results.update(torch=torch.__version__, prefill=[], decode=[])
     print(f"model {path}  dtype {args.dtype}  threads {threads}  rounds {args.rounds}")
+    print(f"kernels {results['kernels']}  cpu {results['cpu']['model']}")
     with torch.inference_mode():
         for n in (int(x) for x in args.prefill_lens.split(",")):
             timers = {name: _prefill_timer(model, name, n) for name, model in sides.items()}
             best = _alternate(timers, args.rounds if n <= 1024 else max(1, args.rounds - 1))
             row = {"tokens": n, **{f"{name}_tok_s": n / t for name, t in best.items()}}
+            _add_speedups(row, "tok_s", higher_is_better=True)
             results["prefill"].append(row)
             _print_row("prefill", row)
         for b in (int(x) for x in args.decode_batches.split(",")):
             row = _decode_row(sides, b, args)
+            _add_speedups(row, "ms", higher_is_better=False)
             results["decode"].append(row)
             _print_row("decode", row)
         if args.profile:
@@ -79,6 +93,52 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
     return 0
+
+
+def _setup() -> dict[str, Any]:
+    """Which kernels ran and on what: the variant, the CPU's model name and vector ISA flags,
+    the environment variables that pick paths, and the commit."""
+    kernels = native.kernels()
+    ran = None if kernels is None else {"isa": kernels.isa, "bf16_dots": kernels.bf16_dots}
+    flags = native_build.cpu_flags()
+    isa_flags = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "sse4")))
+    env = {k: os.environ[k] for k in ENV_KEYS if k in os.environ}
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "kernels": ran,
+        "cpu": {"model": native_build.cpu_name(), "isa_flags": isa_flags},
+        "env": env,
+        "commit": commit or None,
+    }
+
+
+def _add_speedups(row: dict[str, Any], unit: str, higher_is_better: bool) -> None:
+    """row["ours_vs_<side>"]: how many times faster ours ran than each other side."""
+    ours = row[f"ours_{unit}"]
+    for key in [k for k in row if k.endswith(f"_{unit}") and k != f"ours_{unit}"]:
+        other = row[key]
+        side = key[: -len(unit) - 1]
+        row[f"ours_vs_{side}"] = ours / other if higher_is_better else other / ours
+
+
+def _load_without_kernels(path: str, dtype: str) -> CausalLM:
+    """Ours as RADIXLM_NATIVE=0 loads and runs it: oneDNN-packed weights, PyTorch ops."""
+    before = os.environ.get("RADIXLM_NATIVE")
+    os.environ["RADIXLM_NATIVE"] = "0"
+    try:
+        model = load_causal_lm(path, dtype)
+    finally:
+        if before is None:
+            del os.environ["RADIXLM_NATIVE"]
+        else:
+            os.environ["RADIXLM_NATIVE"] = before
+    model.native_kernels = False
+    return model
 
 
 def _alternate(timers: dict[str, Timer], rounds: int) -> dict[str, float]:

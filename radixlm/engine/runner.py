@@ -50,11 +50,13 @@ class ModelRunner:
         )
         if progress is not None:
             progress("KV pool", 1, 1)
+        self.kernels_isa: str | None = None  # the native kernels' variant; None: PyTorch paths
         if self.device.type == "cpu" and self.model.native_kernels:
-            # built (or found in the cache) now, so the first request does not wait the ~2 s
+            # loaded (built at install, else now) before the first request, which never waits
             if progress is not None:
                 progress("native kernels", 0, 1)
-            native.kernels()
+            kernels = native.kernels()
+            self.kernels_isa = None if kernels is None else kernels.isa
             if progress is not None:
                 progress("native kernels", 1, 1)
 

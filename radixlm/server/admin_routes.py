@@ -55,8 +55,9 @@ def cache_router(state: ServerState) -> APIRouter:
 
     @router.get("/v1/cache")
     async def cache(check_integrity: bool = False) -> JSONResponse:
-        snapshot = await _call(state, take_snapshot)
+        snapshot, isa = await _call(state, lambda e: (take_snapshot(e), e.runner.kernels_isa))
         out = snapshot.to_dict()
+        out["kernels_isa"] = isa  # the native kernel variant serving (None: PyTorch paths)
         if check_integrity:
             out["integrity"] = await _call(state, _integrity)
         return JSONResponse(out)

@@ -16,6 +16,7 @@
    Layouts (contiguous): x (M, K) and y (M, N) in the model's dtype; wp as above.
 */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -35,15 +36,11 @@
 #define ROW_GROUP 3
 #endif
 
-typedef struct {
-    vu v[BW];
-} block_u; /* 16 lanes of bfloat16 pairs, or of float32 bits */
-
-ALWAYS_INLINE block_u load_block(const void *p)
+/* One k step of a column block: 16 lanes of float32 bits or of bfloat16 pairs, in BW vectors
+   (loaded one vector at a time: a 64-byte copy through the stack stalls every step on AVX2). */
+ALWAYS_INLINE void load_block(vu *w, const char *p)
 {
-    block_u w;
-    memcpy(&w, p, sizeof w);
-    return w;
+    for (int c = 0; c < BW; c++) memcpy(&w[c], p + c * sizeof(vu), sizeof(vu));
 }
 
 /* Row m's 16 results of block b into y (acc: rows x BW vectors). */
@@ -60,34 +57,44 @@ ALWAYS_INLINE void store_block(void *y, const vf *acc, int64_t N, int64_t b, int
 }
 
 /* acc (rows x BW vectors) += x * (one k step of a block), float32: xk[m] the rows' x at k. */
-ALWAYS_INLINE void fma_f32(vf *acc, block_u wk, const float *xk, int64_t stride, const int rows)
+ALWAYS_INLINE void fma_f32(vf *acc, const vu *wk, const float *xk, int64_t stride,
+                           const int rows)
 {
     for (int m = 0; m < rows; m++)
-        for (int c = 0; c < BW; c++) acc[m * BW + c] += xk[m * stride] * (vf)wk.v[c];
+        for (int c = 0; c < BW; c++) acc[m * BW + c] += xk[m * stride] * (vf)wk[c];
 }
 
-/* The same for a pair of k in bfloat16: xk[m] the rows' pairs at k. */
-ALWAYS_INLINE void fma_bf16(vf *acc, block_u wk, const uint32_t *xk, int64_t stride,
+/* The same for a pair of k in bfloat16 (k2: the pair's index). With AVX512-BF16, x is bfloat16
+   and vdpbf16ps does both k of a pair; elsewhere x was widened to float32 once per call
+   (WIDEN_X: a broadcast from memory per element, instead of two scalar conversions per row and
+   pair), W's pairs are widened here, and the even k go into every row before the odd ones so
+   that only half of W's widened vectors are live at a time (AVX2's 16 registers). */
+#if defined(__AVX512BF16__)
+#define WIDEN_X 0
+ALWAYS_INLINE void fma_bf16(vf *acc, const vu *wk, const void *x, int64_t k2, int64_t K,
                             const int rows)
 {
-#if defined(__AVX512BF16__)
     for (int m = 0; m < rows; m++) {
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xk[m * stride]);
-        acc[m] = (vf)_mm512_dpbf16_ps((__m512)acc[m], (__m512bh)wk.v[0], xv);
+        const uint32_t pair = ((const uint32_t *)x)[m * (K / 2) + k2];
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+        acc[m] = (vf)_mm512_dpbf16_ps((__m512)acc[m], (__m512bh)wk[0], xv);
     }
-#else
-    vf lo[BW], hi[BW]; /* k even, k odd */
-    for (int c = 0; c < BW; c++) {
-        lo[c] = (vf)(wk.v[c] << 16);
-        hi[c] = (vf)(wk.v[c] & 0xFFFF0000u);
-    }
-    for (int m = 0; m < rows; m++) {
-        const uint32_t pair = xk[m * stride];
-        const float xl = bf16_to_float((uint16_t)pair), xh = bf16_to_float((uint16_t)(pair >> 16));
-        for (int c = 0; c < BW; c++) acc[m * BW + c] += xl * lo[c] + xh * hi[c];
-    }
-#endif
 }
+#else
+#define WIDEN_X 1
+ALWAYS_INLINE void fma_bf16(vf *acc, const vu *wk, const void *x, int64_t k2, int64_t K,
+                            const int rows)
+{
+    const float *xf = (const float *)x + 2 * k2;
+    vf half[BW];
+    for (int c = 0; c < BW; c++) half[c] = (vf)(wk[c] << 16); /* k even */
+    for (int m = 0; m < rows; m++)
+        for (int c = 0; c < BW; c++) acc[m * BW + c] += xf[m * K] * half[c];
+    for (int c = 0; c < BW; c++) half[c] = (vf)(wk[c] & 0xFFFF0000u); /* k odd */
+    for (int m = 0; m < rows; m++)
+        for (int c = 0; c < BW; c++) acc[m * BW + c] += xf[m * K + 1] * half[c];
+}
+#endif
 
 /* Column block b for `rows` (a literal, <= ROW_GROUP) rows, streaming its weights. */
 ALWAYS_INLINE void run_block(const void *x, const void *wp, void *y, int64_t N, int64_t K,
@@ -98,9 +105,10 @@ ALWAYS_INLINE void run_block(const void *x, const void *wp, void *y, int64_t N, 
     const int64_t steps = bf16 ? K / 2 : K; /* 16 lanes of one float, or of one bfloat16 pair */
     const char *w = (const char *)wp + b * steps * 64;
     for (int64_t k = 0; k < steps; k++) {
-        const block_u wk = load_block(w + k * 64);
+        vu wk[BW];
+        load_block(wk, w + k * 64);
         __builtin_prefetch(w + k * 64 + AHEAD);
-        if (bf16) fma_bf16(acc, wk, (const uint32_t *)x + k, steps, rows);
+        if (bf16) fma_bf16(acc, wk, x, k, K, rows);
         else fma_f32(acc, wk, (const float *)x + k, steps, rows);
     }
     store_block(y, acc, N, b, rows, bf16);
@@ -110,9 +118,9 @@ ALWAYS_INLINE void run_block(const void *x, const void *wp, void *y, int64_t N, 
 static inline void run_rows(const void *x, const void *wp, void *y, int64_t M, int64_t N,
                             int64_t K, int64_t b, int bf16)
 {
-    const int64_t elem = bf16 ? 2 : 4;
+    const int64_t elem = bf16 ? 2 : 4, x_elem = bf16 && !WIDEN_X ? 2 : 4;
     for (int64_t m0 = 0; m0 < M; m0 += ROW_GROUP) {
-        const char *xr = (const char *)x + m0 * K * elem;
+        const char *xr = (const char *)x + m0 * K * x_elem;
         char *yr = (char *)y + m0 * N * elem;
         const int64_t rows = M - m0 < ROW_GROUP ? M - m0 : ROW_GROUP;
         /* literal row counts and dtype: the row loops unroll, accumulators stay in registers */
@@ -167,88 +175,124 @@ static inline void run_rows(const void *x, const void *wp, void *y, int64_t M, i
 #endif
 #define SLAB_ROWS 96
 
-/* One tile: rows (a literal, <= TILE_ROWS) x nb column blocks from block b. Each k step (a pair
-   of k in bfloat16) loads nb 64-byte slices of W and multiplies them into every row. */
-ALWAYS_INLINE void run_tile(const char *x, const void *wp, char *y, int64_t N, int64_t K,
-                            int64_t b, const int rows, const int nb, const int bf16)
+/* One tile: rows (a literal, <= TILE_ROWS) x nb column blocks, the first at w (K x 16 weights
+   each, consecutive), into y's blocks from b. Each k step (a pair of k for bfloat16 pairs)
+   loads nb 64-byte slices of W and multiplies them into every row. bf16: x and W are bfloat16
+   pairs (vdpbf16ps); out_bf16: y is bfloat16. */
+ALWAYS_INLINE void run_tile(const char *x, const char *w, char *y, int64_t N, int64_t K,
+                            int64_t b, const int rows, const int nb, const int bf16,
+                            const int out_bf16)
 {
     vf acc[TILE_BLOCKS][TILE_ROWS * BW]; /* per column block, rows x BW vectors */
     for (int j = 0; j < nb; j++)
         for (int i = 0; i < rows * BW; i++) acc[j][i] = (vf){0};
     const int64_t steps = bf16 ? K / 2 : K; /* 16 lanes of one float, or of one bfloat16 pair */
-    const char *w = (const char *)wp + b * steps * 64;
     for (int64_t k = 0; k < steps; k++) {
-        block_u wk[TILE_BLOCKS];
-        for (int j = 0; j < nb; j++) wk[j] = load_block(w + (j * steps + k) * 64);
+        vu wk[TILE_BLOCKS][BW];
+        for (int j = 0; j < nb; j++) load_block(wk[j], w + (j * steps + k) * 64);
         for (int j = 0; j < nb; j++) {
-            if (bf16) fma_bf16(acc[j], wk[j], (const uint32_t *)x + k, steps, rows);
+            if (bf16) fma_bf16(acc[j], wk[j], x, k, K, rows);
             else fma_f32(acc[j], wk[j], (const float *)x + k, steps, rows);
         }
     }
-    for (int j = 0; j < nb; j++) store_block(y, acc[j], N, b + j, rows, bf16);
+    for (int j = 0; j < nb; j++) store_block(y, acc[j], N, b + j, rows, out_bf16);
 }
 
-#define TILE_CASE(n, NB, BF)                                                                       \
-    case n: run_tile(xr, wp, yr, N, K, b, n, NB, BF); break;
+#define TILE_CASE(n, NB, BF, OUT)                                                                  \
+    case n: run_tile(xr, w, yr, N, K, b, n, NB, BF, OUT); break;
 #if TILE_ROWS == 8
-#define TILE_ROWS_CASES(NB, BF)                                                                    \
+#define TILE_ROWS_CASES(NB, BF, OUT)                                                               \
     switch (rows) {                                                                              \
-        TILE_CASE(1, NB, BF) TILE_CASE(2, NB, BF) TILE_CASE(3, NB, BF) TILE_CASE(4, NB, BF)      \
-        TILE_CASE(5, NB, BF) TILE_CASE(6, NB, BF) TILE_CASE(7, NB, BF)                           \
-    default: run_tile(xr, wp, yr, N, K, b, TILE_ROWS, NB, BF); break;                            \
+        TILE_CASE(1, NB, BF, OUT) TILE_CASE(2, NB, BF, OUT) TILE_CASE(3, NB, BF, OUT)            \
+        TILE_CASE(4, NB, BF, OUT) TILE_CASE(5, NB, BF, OUT) TILE_CASE(6, NB, BF, OUT)            \
+        TILE_CASE(7, NB, BF, OUT)                                                                \
+    default: run_tile(xr, w, yr, N, K, b, TILE_ROWS, NB, BF, OUT); break;                        \
     }
 #elif TILE_ROWS == 6
-#define TILE_ROWS_CASES(NB, BF)                                                                    \
+#define TILE_ROWS_CASES(NB, BF, OUT)                                                               \
     switch (rows) {                                                                              \
-        TILE_CASE(1, NB, BF) TILE_CASE(2, NB, BF) TILE_CASE(3, NB, BF) TILE_CASE(4, NB, BF)      \
-        TILE_CASE(5, NB, BF)                                                                     \
-    default: run_tile(xr, wp, yr, N, K, b, TILE_ROWS, NB, BF); break;                            \
+        TILE_CASE(1, NB, BF, OUT) TILE_CASE(2, NB, BF, OUT) TILE_CASE(3, NB, BF, OUT)            \
+        TILE_CASE(4, NB, BF, OUT) TILE_CASE(5, NB, BF, OUT)                                      \
+    default: run_tile(xr, w, yr, N, K, b, TILE_ROWS, NB, BF, OUT); break;                        \
     }
 #else
-#define TILE_ROWS_CASES(NB, BF)                                                                    \
+#define TILE_ROWS_CASES(NB, BF, OUT)                                                               \
     switch (rows) {                                                                              \
-        TILE_CASE(1, NB, BF) TILE_CASE(2, NB, BF)                                                \
-    default: run_tile(xr, wp, yr, N, K, b, TILE_ROWS, NB, BF); break;                            \
+        TILE_CASE(1, NB, BF, OUT) TILE_CASE(2, NB, BF, OUT)                                      \
+    default: run_tile(xr, w, yr, N, K, b, TILE_ROWS, NB, BF, OUT); break;                        \
     }
 #endif
 
-static void tiled_linear(const void *x, const void *wp, void *y, int64_t M, int64_t N, int64_t K,
-                         int bf16, int num_threads)
+/* A group's nb blocks of bfloat16 pairs (K/2 x 16 each) widened to float32 (K x 16 each). */
+static void widen_blocks(const uint32_t *wp, float *wf, int64_t K, int64_t nb)
 {
-    const int64_t elem = bf16 ? 2 : 4, blocks = N / 16;
+    for (int64_t i = 0; i < nb * (K / 2); i++) /* one k pair of one block: 16 lanes */
+        for (int l = 0; l < 16; l++) {
+            const uint32_t pair = wp[i * 16 + l];
+            wf[(2 * i) * 16 + l] = bf16_to_float((uint16_t)pair);
+            wf[(2 * i + 1) * 16 + l] = bf16_to_float((uint16_t)(pair >> 16));
+        }
+}
+
+/* Prefill-sized M: slabs of rows, the threads sharing out the column block groups. Where the
+   build widens bfloat16 (WIDEN_X), each group's W blocks are widened once per slab into a
+   thread's scratch (in L2) and the float32 tiles run on them: the widening is paid once for
+   the slab's rows, not once per tile and k step. */
+static int tiled_linear(const void *x, const void *wp, void *y, int64_t M, int64_t N, int64_t K,
+                        int bf16, int num_threads)
+{
+    const int64_t elem = bf16 ? 2 : 4, x_elem = bf16 && !WIDEN_X ? 2 : 4, blocks = N / 16;
     const int64_t groups = (blocks + TILE_BLOCKS - 1) / TILE_BLOCKS;
-#pragma omp parallel num_threads(num_threads)
-    for (int64_t m0 = 0; m0 < M; m0 += SLAB_ROWS) {
-        const int64_t m1 = m0 + SLAB_ROWS < M ? m0 + SLAB_ROWS : M;
+    const int widen = bf16 && WIDEN_X, pairs = bf16 && !WIDEN_X;
+    (void)pairs; /* only 3-block tiles take pairs (AVX512-BF16) */
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *wf = widen ? malloc((size_t)(TILE_BLOCKS * K * 16) * sizeof(float)) : NULL;
+        failed = widen && wf == NULL;
+        for (int64_t m0 = 0; m0 < M && !failed; m0 += SLAB_ROWS) {
+            const int64_t m1 = m0 + SLAB_ROWS < M ? m0 + SLAB_ROWS : M;
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            const int64_t b = g * TILE_BLOCKS;
-            const int64_t nb = blocks - b < TILE_BLOCKS ? blocks - b : TILE_BLOCKS;
-            (void)nb; /* one block a tile where TILE_BLOCKS is 1 */
-            for (int64_t m = m0; m < m1; m += TILE_ROWS) {
-                const int rows = m1 - m < TILE_ROWS ? (int)(m1 - m) : TILE_ROWS;
-                const char *xr = (const char *)x + m * K * elem;
-                char *yr = (char *)y + m * N * elem;
-                /* literal row and block counts and dtype: registers, unrolled, no branches */
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t b = g * TILE_BLOCKS;
+                const int64_t nb = blocks - b < TILE_BLOCKS ? blocks - b : TILE_BLOCKS;
+                const char *w = (const char *)wp + b * K * elem * 16;
+                if (widen) {
+                    widen_blocks((const uint32_t *)w, wf, K, nb);
+                    w = (const char *)wf;
+                }
+                for (int64_t m = m0; m < m1; m += TILE_ROWS) {
+                    const int rows = m1 - m < TILE_ROWS ? (int)(m1 - m) : TILE_ROWS;
+                    const char *xr = (const char *)x + m * K * x_elem;
+                    char *yr = (char *)y + m * N * elem;
+                    /* literal row and block counts and dtypes: registers, unrolled */
 #if TILE_BLOCKS == 3
-                if (bf16 && nb == 3) {
-                    TILE_ROWS_CASES(3, 1)
-                } else if (bf16 && nb == 2) {
-                    TILE_ROWS_CASES(2, 1)
-                } else if (nb == 3) {
-                    TILE_ROWS_CASES(3, 0)
-                } else if (nb == 2) {
-                    TILE_ROWS_CASES(2, 0)
-                } else
+                    if (pairs && nb == 3) {
+                        TILE_ROWS_CASES(3, 1, 1)
+                    } else if (pairs && nb == 2) {
+                        TILE_ROWS_CASES(2, 1, 1)
+                    } else if (pairs) {
+                        TILE_ROWS_CASES(1, 1, 1)
+                    } else if (nb == 3) {
+                        TILE_ROWS_CASES(3, 0, 0)
+                    } else if (nb == 2) {
+                        TILE_ROWS_CASES(2, 0, 0)
+                    } else {
+                        TILE_ROWS_CASES(1, 0, 0)
+                    }
+#else
+                    if (widen) { /* float32 tiles on the widened W, bfloat16 out */
+                        TILE_ROWS_CASES(1, 0, 1)
+                    } else {
+                        TILE_ROWS_CASES(1, 0, 0)
+                    }
 #endif
-                if (bf16) {
-                    TILE_ROWS_CASES(1, 1)
-                } else {
-                    TILE_ROWS_CASES(1, 0)
                 }
             }
         }
+        free(wf);
     }
+    return failed ? 3 : 0;
 }
 
 int skinny_linear(const void *x, const void *wp, void *y, int64_t M, int64_t N, int64_t K,
@@ -256,11 +300,20 @@ int skinny_linear(const void *x, const void *wp, void *y, int64_t M, int64_t N, 
 {
     if (M < 1) return 1;
     if (N % 16 != 0 || K % 2 != 0) return 2;
-    if (M > MAX_ROWS) {
-        tiled_linear(x, wp, y, M, N, K, bf16, num_threads);
-        return 0;
+    float *widened = NULL; /* bfloat16 x as float32, where the build widens it (fma_bf16) */
+    if (bf16 && WIDEN_X) {
+        widened = malloc((size_t)(M * K) * sizeof(float));
+        if (widened == NULL) return 3;
+        for (int64_t i = 0; i < M * K; i++) widened[i] = bf16_to_float(((const uint16_t *)x)[i]);
+        x = widened;
     }
+    int status = 0;
+    if (M > MAX_ROWS) {
+        status = tiled_linear(x, wp, y, M, N, K, bf16, num_threads);
+    } else {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t b = 0; b < N / 16; b++) run_rows(x, wp, y, M, N, K, b, bf16);
-    return 0;
+        for (int64_t b = 0; b < N / 16; b++) run_rows(x, wp, y, M, N, K, b, bf16);
+    }
+    free(widened);
+    return status;
 }
