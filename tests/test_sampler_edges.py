@@ -5,11 +5,13 @@ temperature, a tiny top_p, top_k 1, min_p 1). The reproductions of issue 19 come
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Iterator
 from fractions import Fraction
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radixlm.engine.sampler import (
@@ -89,32 +91,38 @@ TINY_TEMPERATURE = 1e-37
 TINY_TOP_P = 1e-3  # below 1 / vocab: only the most likely token can be in the nucleus
 
 logit_values = st.integers(-3000, 3000).map(lambda k: k / 100)  # |x| in {0} U [0.01, 30]
-temperatures = st.one_of(
-    st.just(0.0),
-    st.floats(0.0, TINY_TEMPERATURE),
-    st.floats(min_value=0.0, allow_infinity=True),
-)
-top_ps = st.one_of(
-    st.floats(0.0, TINY_TOP_P, exclude_min=True), st.floats(0.0, 1.0, exclude_min=True)
-)
-sampling_params = st.builds(
-    SamplingParams,
-    temperature=temperatures,
-    top_p=top_ps,
-    top_k=st.one_of(st.none(), st.integers(1, 50), st.integers(1, 10**18)),
-    min_p=st.one_of(st.just(1.0), st.floats(0.0, 1.0)),
-    repetition_penalty=st.one_of(
-        st.just(1.0), st.floats(min_value=0.0, exclude_min=True, allow_infinity=True)
-    ),
-    presence_penalty=st.floats(-2.0, 2.0),
-    frequency_penalty=st.floats(-2.0, 2.0),
-    seed=st.one_of(st.none(), st.integers(0, 2**63 - 1)),
-    logprobs=st.one_of(st.none(), st.integers(0, 20)),
-)
+
+
+def sampling_params(subnormal: bool) -> st.SearchStrategy[SamplingParams]:
+    """Every range SamplingParams accepts (subnormal floats only where the CPU keeps them)."""
+
+    def floats(lo: float, hi: float | None = None, **kw: bool) -> st.SearchStrategy[float]:
+        return st.floats(lo, hi, allow_subnormal=subnormal, **kw)
+
+    def positive(hi: float | None = None, **kw: bool) -> st.SearchStrategy[float]:
+        if subnormal:
+            return floats(0.0, hi, exclude_min=True, **kw)
+        # (hypothesis's exclude_min cannot step past 0 while subnormals are flushed)
+        return floats(sys.float_info.min, hi, **kw)
+
+    return st.builds(
+        SamplingParams,
+        temperature=st.one_of(
+            st.just(0.0), floats(0.0, TINY_TEMPERATURE), floats(0.0, allow_infinity=True)
+        ),
+        top_p=st.one_of(positive(TINY_TOP_P), positive(1.0)),
+        top_k=st.one_of(st.none(), st.integers(1, 50), st.integers(1, 10**18)),
+        min_p=st.one_of(st.just(1.0), floats(0.0, 1.0)),
+        repetition_penalty=st.one_of(st.just(1.0), positive(allow_infinity=True)),
+        presence_penalty=floats(-2.0, 2.0),
+        frequency_penalty=floats(-2.0, 2.0),
+        seed=st.one_of(st.none(), st.integers(0, 2**63 - 1)),
+        logprobs=st.one_of(st.none(), st.integers(0, 20)),
+    )
 
 
 @st.composite
-def batches(draw: st.DrawFn) -> tuple[torch.Tensor, list[SamplingState]]:
+def batches(draw: st.DrawFn, subnormal: bool) -> tuple[torch.Tensor, list[SamplingState]]:
     vocab = draw(st.integers(2, 40))
     rows = draw(st.integers(1, 4))
     logits = torch.tensor(
@@ -122,18 +130,38 @@ def batches(draw: st.DrawFn) -> tuple[torch.Tensor, list[SamplingState]]:
                       max_size=rows))
     )  # fmt: skip
     ids = st.lists(st.integers(0, vocab - 1), max_size=12)
+    params = sampling_params(subnormal)
     states = [
-        SamplingState(draw(sampling_params), prompt_ids=draw(ids), output_ids=draw(ids))
-        for _ in range(rows)
+        SamplingState(draw(params), prompt_ids=draw(ids), output_ids=draw(ids)) for _ in range(rows)
     ]
     return logits, states
 
 
-@settings(max_examples=400, deadline=None)
-@given(batches())
+def subnormals_flushed() -> bool:
+    return float(torch.tensor([1e-40]) * 1.0) == 0.0
+
+
+@pytest.fixture(params=[False, True], ids=["subnormals", "flushed"])
+def flush_subnormals(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """Run with subnormal numbers kept, then flushed to zero, as they are once the native
+    kernels (built with -ffast-math) are loaded; the state before is restored after."""
+    before = subnormals_flushed()
+    torch.set_flush_denormal(request.param)
+    assert subnormals_flushed() == request.param
+    yield request.param
+    torch.set_flush_denormal(before)
+
+
+@settings(
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(data=st.data())
 def test_every_accepted_parameter_gives_a_valid_token_and_the_greedy_limits(
-    batch: tuple[torch.Tensor, list[SamplingState]],
+    flush_subnormals: bool, data: st.DataObject
 ) -> None:
+    batch = data.draw(batches(subnormal=not flush_subnormals))
     logits, states = batch
     vocab = logits.shape[1]
     ours = apply_penalties(logits, states)

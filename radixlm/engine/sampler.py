@@ -3,8 +3,9 @@
 Pipeline for a batch of R rows (every stage touches only the rows that need it):
 
     raw logits ─► penalties ─► greedy rows: argmax
-                               sampled rows: (- row max) / temperature ─► top_k ─► top_p ─► min_p
-                                             ─► exp ─► inverse-CDF draw with the row's own uniform
+                               sampled rows: - row max ─► top_k ─► top_p ─► min_p
+                                             ─► exp(/ temperature) ─► inverse-CDF draw with the
+                                                row's own uniform
 
 Reproducibility: each sampled row consumes exactly one uniform number per step, drawn from its
 request's own `random.Random` (seeded from `SamplingParams.seed`) or, for unseeded requests, from
@@ -37,7 +38,8 @@ from radixlm.engine.sampling_ops import (
     keep_min_p,
     keep_top_k,
     keep_top_p,
-    scale_by_temperature,
+    shift_to_max,
+    to_weights,
 )
 from radixlm.request import SamplingParams
 
@@ -202,13 +204,13 @@ class Sampler:
         uniforms: Sequence[float],
     ) -> torch.Tensor:
         """Draw one token per row of `scores` (S, V), all with temperature > 0."""
-        device = scores.device
-        scaled = scale_by_temperature(scores, row_max, [s.params.temperature for s in states])
-        keep_top_k(scaled, [s.params.top_k for s in states])
-        keep_top_p(scaled, [s.params.top_p for s in states])
-        keep_min_p(scaled, [s.params.min_p for s in states])
-        weights = scaled.exp_()  # (S, V) unnormalised: the top token 1, excluded tokens 0
-        return inverse_cdf(weights, torch.tensor(list(uniforms), device=device))
+        temperature = [s.params.temperature for s in states]
+        shifted = shift_to_max(scores, row_max)  # (S, V), the top token of each row at 0
+        keep_top_k(shifted, [s.params.top_k for s in states])
+        keep_top_p(shifted, [s.params.top_p for s in states], temperature)
+        keep_min_p(shifted, [s.params.min_p for s in states], temperature)
+        weights = to_weights(shifted, temperature)  # (S, V) unnormalised, excluded tokens 0
+        return inverse_cdf(weights, torch.tensor(list(uniforms), device=scores.device))
 
 
 def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:

@@ -1,19 +1,20 @@
 """The sampler's filters: temperature, top-k, top-p, min-p and the inverse-CDF draw.
 
 Each is safe for every value `SamplingParams` accepts, including values that do not survive a
-float32 conversion (a top_p or a temperature of 1e-300 is 0.0 in float32, 1e300 is inf):
+float32 conversion (a top_p or a temperature of 1e-300 is 0.0 in float32, 1e300 is inf), and
+with subnormal numbers flushed to zero (the native kernels' -ffast-math sets that process-wide):
 
-- temperature scales `scores - row max`, never the raw scores: the top token sits at 0, so the
-  scaled row can only overflow towards -inf (weight 0), never to +inf or NaN, and a tiny
-  temperature tends to the greedy choice; the temperature itself is clamped into float32's
-  normal range first;
-- the filters compare scores, not float32 probabilities, wherever they can (min_p as a log
-  threshold, top_p ranking by score), so tokens the probabilities can no longer tell apart are
-  still told apart, and each filter keeps its row's most likely token whatever rounding did to
-  its threshold: a row never ends up empty.
+- the filters work on `shifted = scores - row max`, before any temperature: the top token sits
+  at 0, and dividing by a temperature can then only overflow towards -inf (weight 0), never to
+  +inf or NaN; a temperature is clamped into float32's normal range before it divides;
+- the filters decide by score, not by float32 probability: top-k and top-p rank by score, min-p
+  compares with temperature * log(min_p). Scores still tell tokens apart where a tiny or a huge
+  temperature has rounded their probabilities together, so the limits are exact (a tiny
+  temperature, a tiny top_p, min_p 1: the greedy choice), and each filter keeps its row's top
+  token whatever rounding did to its threshold: a row never ends up empty.
 
-Filters work in place on the scaled scores (excluded tokens become -inf) and skip the rows that
-are off: every pass over (S, V) costs milliseconds on a CPU (64 x 49152 floats are 12.6 MB).
+Filters work in place (excluded tokens become -inf) and skip the rows that are off: every pass
+over (S, V) costs milliseconds on a CPU (64 x 49152 floats are 12.6 MB).
 """
 
 from __future__ import annotations
@@ -29,18 +30,9 @@ NUCLEUS_PROBE = 128
 FLOAT32 = torch.finfo(torch.float32)
 
 
-def scale_by_temperature(
-    scores: torch.Tensor, row_max: torch.Tensor, temperature: Sequence[float]
-) -> torch.Tensor:
-    """A new (S, V) tensor: (scores - row_max) / temperature, each row's top token at 0.
-
-    `row_max` (S,) must be finite. A temperature below float32's smallest normal number acts as
-    that number (every token not tied with the top one then weighs 0: the greedy limit); one
-    above float32's largest acts as that (every finite score weighs the same).
-    """
-    clamped = [min(max(t, FLOAT32.tiny), FLOAT32.max) for t in temperature]
-    shifted = scores - row_max[:, None]  # (S, V), <= 0
-    return shifted.div_(column(clamped, scores.device))
+def shift_to_max(scores: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """A new (S, V) tensor: scores - row_max (S,), each row's top token at 0, the rest below."""
+    return scores - row_max[:, None]
 
 
 def keep_top_k(scores: torch.Tensor, top_k: Sequence[int | None]) -> None:
@@ -56,25 +48,22 @@ def keep_top_k(scores: torch.Tensor, top_k: Sequence[int | None]) -> None:
     _put_rows(scores, index, sub)
 
 
-def keep_top_p(scaled: torch.Tensor, top_p: Sequence[float]) -> None:
-    """In place: -inf every token outside its row's nucleus (`scaled` as scale_by_temperature
-    returns it, top_k applied).
+def keep_top_p(shifted: torch.Tensor, top_p: Sequence[float], temperature: Sequence[float]) -> None:
+    """In place: -inf every token of `shifted` outside its row's nucleus.
 
     A token is in the nucleus when the mass of the tokens with a higher score is below top_p, so
-    tied tokens are kept or dropped together, and the most likely token always is (a top_p that
-    rounds to 0 in float32 keeps it alone). Tokens are ranked by score, not by probability:
-    scores still tell apart tokens whose float32 probabilities round to the same value (a high
-    temperature). A full sort of V tokens costs ~3 ms per row on a CPU core, so the nucleus is
-    first looked for among each row's `NUCLEUS_PROBE` best tokens (one batched topk), which hold
-    it whenever their mass reaches top_p; only the other rows are sorted, and then only their
-    candidates.
+    tied tokens are kept or dropped together, and the top token always is (a top_p that rounds
+    to 0 in float32 keeps it alone). A full sort of V tokens costs ~3 ms per row on a CPU core,
+    so the nucleus is first looked for among each row's `NUCLEUS_PROBE` best tokens (one batched
+    topk), which hold it whenever their mass reaches top_p; only the other rows are sorted, and
+    then only their candidates.
     """
     rows = [i for i, p in enumerate(top_p) if p < 1.0]
     if not rows:
         return
-    sub, index = _take_rows(scaled, rows)  # (P, V)
-    probs = torch.softmax(sub, dim=-1)  # (P, V)
-    p_col = column([top_p[i] for i in rows], scaled.device)  # (P, 1)
+    sub, index = _take_rows(shifted, rows)  # (P, V)
+    probs = torch.softmax(sub / _temperature_column([temperature[i] for i in rows], sub), dim=-1)
+    p_col = column([top_p[i] for i in rows], shifted.device)  # (P, 1)
     ranked = torch.topk(sub, min(NUCLEUS_PROBE, sub.shape[1]), dim=-1)  # (P, k) best first
     ranked_probs = probs.gather(1, ranked.indices)
     mass_above = ranked_probs.cumsum(dim=-1) - ranked_probs
@@ -84,19 +73,28 @@ def keep_top_p(scaled: torch.Tensor, top_p: Sequence[float]) -> None:
     for j in beyond_probe:
         threshold[j, 0] = _nucleus_threshold(sub[j], probs[j], top_p[rows[j]])
     sub.masked_fill_(sub < threshold, float("-inf"))
-    _put_rows(scaled, index, sub)
+    _put_rows(shifted, index, sub)
 
 
-def keep_min_p(scaled: torch.Tensor, min_p: Sequence[float]) -> None:
-    """In place: -inf the tokens less likely than min_p times their row's most likely token.
+def keep_min_p(shifted: torch.Tensor, min_p: Sequence[float], temperature: Sequence[float]) -> None:
+    """In place: -inf the tokens less likely than min_p times their row's top token.
 
-    With each row's top score at 0 that is a score below log(min_p), a comparison that stays
-    exact where the probabilities would round (min_p 1 keeps the top token and its ties only).
+    p / p_top = exp(shifted / temperature) >= min_p  <=>  shifted >= temperature * log(min_p),
+    a threshold computed in float64 that stays exact where the probabilities would round (min_p
+    1 keeps the top token and its ties only, at any temperature).
     """
     if all(p == 0.0 for p in min_p):
         return
-    log_min_p = [math.log(p) if p > 0.0 else -math.inf for p in min_p]
-    scaled.masked_fill_(scaled < column(log_min_p, scaled.device), float("-inf"))
+    thresholds = [_min_p_threshold(p, t) for p, t in zip(min_p, temperature, strict=True)]
+    shifted.masked_fill_(shifted < column(thresholds, shifted.device), float("-inf"))
+
+
+def to_weights(shifted: torch.Tensor, temperature: Sequence[float]) -> torch.Tensor:
+    """In place: exp(shifted / temperature), the unnormalised distribution (top token 1,
+    excluded tokens 0). A temperature below float32's smallest normal number acts as that
+    number (every token not tied with the top weighs 0: the greedy limit); one above float32's
+    largest as that (every kept token weighs the same)."""
+    return shifted.div_(_temperature_column(temperature, shifted)).exp_()
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -119,6 +117,18 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 def column(values: Sequence[float], device: torch.device) -> torch.Tensor:
     """(len(values), 1) float32 on `device`, to broadcast one value per row."""
     return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+
+def _min_p_threshold(min_p: float, temperature: float) -> float:
+    if min_p == 0.0:
+        return -math.inf
+    if min_p >= 1.0:
+        return 0.0  # not temperature * 0, which is NaN for an infinite temperature
+    return temperature * math.log(min_p)
+
+
+def _temperature_column(temperature: Sequence[float], like: torch.Tensor) -> torch.Tensor:
+    return column([min(max(t, FLOAT32.tiny), FLOAT32.max) for t in temperature], like.device)
 
 
 def _nucleus_threshold(scores: torch.Tensor, probs: torch.Tensor, top_p: float) -> float:
