@@ -9,7 +9,8 @@ A request's tokens are `all_ids = prompt + output`. Its KV covers `all_ids[:num_
 in `slots`; the first `cached_len` of those slots belong to the radix tree (the request holds a
 lock on `node`, the tree node ending there), the rest are in flight (owned by the request).
 Each step computes `all_ids[num_computed : num_computed + k]`; when that reaches the end of
-`all_ids`, the step's logits sample the next token. Prefill and decode are the same operation
+`all_ids`, the step's logits sample the next token. The scheduler moves these four fields and
+nothing else does. Prefill and decode are the same operation
 with different k.
 """
 
@@ -127,7 +128,8 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
 
-    # KV bookkeeping, changed only through the prefix cache (see the module docstring).
+    # KV bookkeeping (see the module docstring). One writer: the Scheduler, when it admits,
+    # postprocesses, retracts or removes the request; the rest of the engine only reads them.
     node: TreeNode | None = None
     slots: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     cached_len: int = 0

@@ -1,13 +1,14 @@
 """The engine: the step loop that turns requests into tokens without computing anything twice.
 
-    step():  schedule -> build batch -> forward -> sample -> postprocess
+    step():  schedule -> build batch -> forward -> postprocess -> sample -> output
 
-The scheduler decides who computes which tokens and hands out their slots; the runner computes
-logits; postprocessing appends sampled tokens, streams text, commits finished prompts to the
-radix tree and retires finished requests. The engine is single-threaded: `AsyncEngine` runs it
-in a background thread, `LLM` drives it synchronously.
+The scheduler decides who computes which tokens, hands out their slots and, after the forward
+pass, advances the requests and commits their KV (it alone writes a request's KV state); the
+runner computes logits; the sampler picks tokens; the output stage appends them, streams text and
+retires finished requests. The engine is single-threaded: `AsyncEngine` runs it in a background
+thread, `LLM` drives it synchronously.
 
-Slot ownership over a request's life (the prefix cache keeps the account):
+Slot ownership over a request's life (the prefix cache keeps the account, the scheduler moves):
     admit    lock the matched node (tree slots), allocate the first chunk (in flight)
     prefill  every chunk is committed to the tree as soon as it is computed, so other requests
              can reuse it while the rest is still computing
@@ -29,7 +30,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from radixlm.cache.prefix_cache import create_prefix_cache
@@ -37,7 +37,7 @@ from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
 from radixlm.detokenizer import OutputStream
 from radixlm.engine.runner import ModelRunner
 from radixlm.engine.sampler import SampledToken, Sampler, SamplingFailure, SamplingState
-from radixlm.engine.scheduler import ScheduledRequest, Scheduler
+from radixlm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.loader import LoadProgress
 from radixlm.request import Request, RequestState, SamplingParams, StreamDelta, TokenLogprob
@@ -161,35 +161,24 @@ class Engine:
         try:
             logits = self.runner.forward(batch)  # (R, vocab): the last new token of each request
         except BaseException:
-            for item in plan.scheduled:  # allocated for this step, not yet any request's
-                self.cache.free(item.new_slots)
+            self.scheduler.cancel(plan.scheduled)
             raise
-        self.stats.steps += 1
-        return self._postprocess(plan.scheduled, logits)
+        self._count(plan)
+        to_sample = self.scheduler.postprocess(plan.scheduled)
+        if not to_sample:
+            return []  # every request computed a chunk of a longer prefill
+        outcomes = self.sampler.sample_each(
+            logits[[s.row for s in to_sample]], [s.req.sampling for s in to_sample]
+        )
+        return self._output([s.req for s in to_sample], outcomes)
 
-    def _postprocess(
-        self, scheduled: list[ScheduledRequest], logits: torch.Tensor
+    # ---- helpers ----------------------------------------------------------------------------
+    def _output(
+        self, reqs: list[Request], outcomes: list[SampledToken | SamplingFailure]
     ) -> list[StreamDelta]:
-        rows: list[int] = []  # logits row of each sampled request
-        sampling: list[Request] = []
-        for row, item in enumerate(scheduled):
-            req = item.req
-            decoding = self._count(req, item.extend_len)
-            req.slots = np.concatenate([req.slots, item.new_slots])
-            req.num_computed += item.extend_len
-            if not decoding:
-                self._commit(req)  # prefilled KV enters the tree at once: others reuse it now
-            if req.remaining_len > 0:
-                continue  # a chunk of a longer prefill: nothing to sample yet
-            for r in (req, *self._start_forks(req)):
-                rows.append(row)
-                sampling.append(r)
-        if not sampling:
-            return []
-        outcomes = self.sampler.sample_each(logits[rows], [r.sampling for r in sampling])
         now = time.perf_counter()
         deltas: list[StreamDelta] = []
-        for req, outcome in zip(sampling, outcomes, strict=True):
+        for req, outcome in zip(reqs, outcomes, strict=True):
             if req.finished:  # failed with another sample of its request this step
                 continue
             if isinstance(outcome, SamplingFailure):
@@ -198,7 +187,6 @@ class Engine:
                 deltas += self._append_token(req, outcome, now)
         return deltas
 
-    # ---- helpers ----------------------------------------------------------------------------
     def _append_token(self, req: Request, sampled: SampledToken, now: float) -> list[StreamDelta]:
         token = sampled.token_id
         try:
@@ -222,27 +210,6 @@ class Engine:
         log.error("request %s failed while %s", req.rid, stage, exc_info=error)
         message = f"internal error while {stage} this request ({type(error).__name__})"
         return self._stop(req.rid, "error", message)
-
-    def _start_forks(self, leader: Request) -> list[Request]:
-        """Forks of an n > 1 request share the leader's prompt KV (via the tree) and logits."""
-        if not leader.forks:
-            return []
-        forks, leader.forks = leader.forks, []
-        started = []
-        for fork in forks:
-            match = self.cache.match(fork.all_ids, fork.namespace)
-            if match.length < fork.seq_len:  # the tree could not take the whole prompt (pages)
-                self.scheduler.add(fork)
-                continue
-            self.cache.lock(match.node)
-            self.scheduler.start(fork, match.node, match.slots, match.length)
-            started.append(fork)
-        return started
-
-    def _commit(self, req: Request) -> None:
-        assert req.node is not None  # every running request holds a node
-        res = self.cache.commit(req.all_ids[: req.num_computed], req.slots, req.namespace, req.node)
-        req.node, req.slots, req.cached_len = res.node, res.slots, res.cached_len
 
     def _finish(
         self,
@@ -278,19 +245,18 @@ class Engine:
             error=req.error,
         )
 
-    def _count(self, req: Request, extend_len: int) -> bool:
-        """Count the step's tokens; True when it was a plain decode step for this request."""
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = time.perf_counter()
+    def _count(self, plan: SchedulerOutput) -> None:
+        """Count a computed step: prompts admitted for the first time, prefill and decode."""
+        self.stats.steps += 1
+        for req in plan.admitted:
             if req.index == 0:
                 self.stats.prompt_tokens += req.prompt_len
                 self.stats.cached_prompt_tokens += req.cached_tokens or 0
-        decoding = extend_len == 1 and req.num_computed >= req.prompt_len
-        if decoding:
-            self.stats.decode_tokens += 1
-        else:
-            self.stats.prefill_tokens += extend_len
-        return decoding
+        for item in plan.scheduled:
+            if item.is_decode:
+                self.stats.decode_tokens += 1
+            else:
+                self.stats.prefill_tokens += item.extend_len
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
@@ -315,9 +281,7 @@ class Engine:
 
 def _prepare_batch(scheduled: list[ScheduledRequest], device: torch.device) -> ForwardBatch:
     return ForwardBatch.build(
-        new_tokens=[
-            s.req.all_ids[s.req.num_computed : s.req.num_computed + s.extend_len] for s in scheduled
-        ],
+        new_tokens=[s.req.all_ids[s.start : s.start + s.extend_len] for s in scheduled],
         prefix_slots=[s.req.slots for s in scheduled],
         new_slots=[s.new_slots for s in scheduled],
         device=device,

@@ -1,12 +1,22 @@
-"""The scheduler: which requests compute how many tokens in the next forward, and their slots.
+"""The scheduler: which requests compute how many tokens in the next forward, and their KV.
 
-It owns the waiting and running queues and is the only caller of the prefix cache's
-lock / alloc / release for admission and retraction. One `schedule()` call builds one step:
+It owns the waiting and running queues and is the one writer of a request's KV state (`node`,
+`slots`, `cached_len`, `num_computed`) and the one caller of the prefix cache for requests
+(match, lock, alloc, commit, release). One step, as the engine drives it:
 
-    1. decode   every running request with one token left gets one slot (oldest first);
-    2. prefill  running requests in the middle of a chunked prefill get their next chunk;
-    3. admit    waiting requests, in policy order (longest cached prefix first, with an age
-                bound), while the token budget, the running cap and the memory allow.
+    schedule()         decode: every running request with one token left gets one slot (oldest
+                       first); prefill: requests in a chunked prefill get their next chunk;
+                       admit: waiting requests, in policy order (longest cached prefix first,
+                       with an age bound), while the token budget, the running cap and memory
+                       allow.
+    postprocess(plan)  after the forward pass: each request advances past the tokens it
+                       computed, prefilled KV is committed to the tree (others reuse it at
+                       once), and the requests to sample come back with their logits rows,
+                       the forks of an n > 1 request started on their leader's prompt.
+    cancel(plan)       the forward pass failed: the step's slots go back, nothing advances.
+
+A ScheduledRequest records where its step starts, so nothing downstream depends on when
+`num_computed` moves.
 
 Memory never deadlocks: when a running request cannot get a slot, the newest running request is
 retracted — its computed KV is committed to the tree, so it resumes with a cache hit — and
@@ -20,8 +30,11 @@ enter the tree instead of computing the same tokens again.
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -34,19 +47,32 @@ from radixlm.request import Request, RequestState
 
 @dataclass(frozen=True)
 class ScheduledRequest:
+    """One request's share of a step: it computes all_ids[start : start + extend_len]."""
+
     req: Request
-    extend_len: int  # tokens computed this step: all_ids[num_computed : num_computed + extend_len]
+    start: int  # req.num_computed when scheduled
+    extend_len: int
     new_slots: np.ndarray  # one in-flight slot per computed token
+
+    @property
+    def is_decode(self) -> bool:
+        """A plain decode step: the KV of one output token (the engine's decode/prefill count;
+        a resumed request recomputing its outputs is a prefill)."""
+        return self.extend_len == 1 and self.start >= self.req.prompt_len
+
+
+class SampleRow(NamedTuple):
+    """A request whose next token is sampled from `row` of the step's logits."""
+
+    req: Request
+    row: int
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     retracted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.extend_len for s in self.scheduled)
+    admitted: list[Request] = field(default_factory=list)  # admitted for the first time
 
 
 class Scheduler:
@@ -120,7 +146,7 @@ class Scheduler:
                 if victim is req:
                     return False
                 continue
-            out.scheduled.append(ScheduledRequest(req, n, slots))
+            out.scheduled.append(ScheduledRequest(req, req.num_computed, n, slots))
             scheduled.add(id(req))
             return True
 
@@ -147,9 +173,11 @@ class Scheduler:
             except OutOfSlotsError:
                 self.cache.unlock(match.node)
                 break  # memory is full: admit nothing more this step
-            self.start(req, match.node, match.slots, match.length)
+            if req.cached_tokens is None:
+                out.admitted.append(req)
+            self._start(req, match.node, match.slots, match.length)
             admitted.append(req)
-            out.scheduled.append(ScheduledRequest(req, n, slots))
+            out.scheduled.append(ScheduledRequest(req, req.num_computed, n, slots))
             budget -= n
             if in_progress is not None:
                 in_progress.insert(req.all_ids, _placeholder_slots(req.seq_len), req.namespace)
@@ -183,8 +211,38 @@ class Scheduler:
                 tree.insert(req.all_ids, _placeholder_slots(req.seq_len), req.namespace)
         return tree
 
+    # ---- after the forward pass -------------------------------------------------------------
+    def postprocess(self, scheduled: Sequence[ScheduledRequest]) -> list[SampleRow]:
+        """Advance every scheduled request past the tokens it computed; return who samples.
+
+        Prefilled KV is committed to the tree at once, so other requests reuse it while the
+        rest is still computing (decoded tokens enter the tree when the request ends). A request
+        samples when its computation reached the end of its tokens; then the forks of an n > 1
+        request start on its committed prompt and sample from the same row. Mutates the
+        requests' KV fields and the cache (commit; match + lock for the forks).
+        """
+        rows: list[SampleRow] = []
+        for row, item in enumerate(scheduled):
+            req = item.req
+            req.slots = np.concatenate([req.slots, item.new_slots])
+            req.num_computed = item.start + item.extend_len
+            if not item.is_decode:
+                self._commit(req)
+            if req.remaining_len > 0:
+                continue  # a chunk of a longer prefill: nothing to sample yet
+            rows.append(SampleRow(req, row))
+            rows += [SampleRow(fork, row) for fork in self._start_forks(req)]
+        return rows
+
+    def cancel(self, scheduled: Sequence[ScheduledRequest]) -> None:
+        """The forward pass failed: free the step's slots (no request holds them yet). Nothing
+        advanced: a request admitted this step stays running on its locked prefix."""
+        for item in scheduled:
+            self.cache.free(item.new_slots)
+
     # ---- slot ownership transitions --------------------------------------------------------
-    def start(self, req: Request, node: TreeNode, slots: np.ndarray, cached_len: int) -> None:
+    def _start(self, req: Request, node: TreeNode, slots: np.ndarray, cached_len: int) -> None:
+        """Running, on a locked tree prefix of `cached_len` tokens held in `slots`."""
         req.state = RequestState.RUNNING
         req.node = node
         req.slots = slots
@@ -193,7 +251,29 @@ class Scheduler:
         req.wait_steps = 0
         if req.cached_tokens is None:
             req.cached_tokens = min(cached_len, req.prompt_len)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.perf_counter()
         self.running.append(req)
+
+    def _start_forks(self, leader: Request) -> list[Request]:
+        """Forks of an n > 1 request share the leader's prompt KV (via the tree) and logits."""
+        forks, leader.forks = leader.forks, []
+        started = []
+        for fork in forks:
+            match = self.cache.match(fork.all_ids, fork.namespace)
+            if match.length < fork.seq_len:  # the tree could not take the whole prompt (pages)
+                self.add(fork)
+                continue
+            self.cache.lock(match.node)
+            self._start(fork, match.node, match.slots, match.length)
+            started.append(fork)
+        return started
+
+    def _commit(self, req: Request) -> None:
+        """Hand the request's computed whole pages to the tree; it goes on from the tree's."""
+        assert req.node is not None  # every running request holds a node
+        res = self.cache.commit(req.all_ids[: req.num_computed], req.slots, req.namespace, req.node)
+        req.node, req.slots, req.cached_len = res.node, res.slots, res.cached_len
 
     def _retract(self, req: Request, out: SchedulerOutput) -> None:
         """Hand a running request's KV to the tree and requeue it at the front."""
@@ -211,11 +291,10 @@ class Scheduler:
         req.hint_version = None
 
     def _drop_kv(self, req: Request) -> None:
-        assert req.node is not None  # every running request holds a node
-        commit = self.cache.commit(
-            req.all_ids[: req.num_computed], req.slots, req.namespace, req.node
-        )
-        self.cache.release(commit.node, commit.slots[commit.cached_len :])
+        """Commit what the request computed, then release: unlock, free what stays in flight."""
+        self._commit(req)
+        assert req.node is not None
+        self.cache.release(req.node, req.slots[req.cached_len :])
         req.node = None
         req.slots = np.empty(0, dtype=np.int64)
         req.cached_len = 0
