@@ -164,7 +164,7 @@ def test_abort_at_any_stage_returns_every_slot(
     engine = make_engine(page_size=page_size, chunk_size=8, max_batch_tokens=8)
     prompt = list(range(3, 40))
     params = SamplingParams(temperature=0.0, max_tokens=30, n=2, ignore_eos=True)
-    other = engine.add_request(list(range(50, 70)), params)
+    other = engine.requests(engine.add_request(list(range(50, 70)), params))
     rid = engine.add_request(prompt, params)
     target = engine.requests(rid)[0]
     steps = {"waiting": 0, "mid-prefill": 3, "mid-decode": 12}[when]
@@ -176,10 +176,14 @@ def test_abort_at_any_stage_returns_every_slot(
         assert target.output_ids
     deltas = engine.abort(rid)
     assert {d.finish_reason for d in deltas} == {"abort"}
-    assert all(r.finished for r in engine.requests(other)) or engine.has_unfinished()
+    assert len(deltas) == 2  # both samples
     while engine.has_unfinished():
         engine.step()
     assert_idle(engine)
+    # the other request never noticed: it finishes as it does alone
+    assert [r.finish_reason for r in other] == ["length", "length"]
+    alone = run(make_engine(page_size=page_size), [list(range(50, 70))], params)
+    assert outputs([other]) == outputs(alone)
 
 
 def test_no_cache_computes_every_prompt_token(make_engine: Callable[..., Engine]) -> None:

@@ -4,10 +4,11 @@ very tokens they get without it, and the slot account is back at idle."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from dataclasses import replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radixlm.detokenizer import OutputStream, TextDelta
+from radixlm.engine.async_engine import AsyncEngine
 from radixlm.engine.engine import Engine
 from radixlm.engine.sampler import SamplingState
 from radixlm.request import Request, SamplingParams, StreamDelta
@@ -168,3 +170,53 @@ def test_tiny_sampling_values_run_beside_the_others(
     assert outputs(samples[: len(PARAMS)]) == reference[512]
     greedy = reference[512][0]  # PARAMS[0] is greedy on the same prompt
     assert outputs(samples[len(PARAMS) :][:2]) == [greedy, greedy]
+
+
+def test_the_failing_stream_ends_with_an_error_and_the_others_finish(
+    model_dir: Path, reference: dict[int, list[list[int]]]
+) -> None:
+    """Through the AsyncEngine (the server's path): the faulty request's stream ends with an
+    error delta, every other stream finishes with its reference tokens."""
+
+    def build() -> Engine:
+        engine = make_engine(model_dir)
+        add = engine.add_request
+
+        def add_with_fault(*args: Any, **kwargs: Any) -> str:
+            rid = add(*args, **kwargs)
+            if rid == "faulty":
+                faulty_detokenizer(engine.requests(rid)[0].text, fail_at=3)
+            return rid
+
+        engine.add_request = add_with_fault  # type: ignore[method-assign]
+        return engine
+
+    async def collect(rid: str, prompt: list[int], params: SamplingParams) -> list[StreamDelta]:
+        return [d async for d in async_engine.generate(prompt, params, request_id=rid)]
+
+    async def serve() -> list[list[StreamDelta]]:
+        names = ["faulty" if i == 3 else f"ok-{i}" for i in range(len(PARAMS))]
+        streams = [collect(n, p, s) for n, p, s in zip(names, prompts(), PARAMS, strict=True)]
+        results = await asyncio.gather(*streams)
+        await async_engine.call(assert_idle)
+        return results
+
+    async_engine = AsyncEngine(build)
+    async_engine.start()
+    try:
+        streams = asyncio.run(serve())
+    finally:
+        async_engine.shutdown()
+    expected = iter(reference[512])  # every sample's tokens, in prompt order
+    for i, (deltas, params) in enumerate(zip(streams, PARAMS, strict=True)):
+        ends = [d for d in deltas if d.finish_reason is not None]
+        assert len(ends) == params.n
+        references = [next(expected) for _ in range(params.n)]
+        if i == 3:  # the faulty one: three tokens, then its error
+            assert [(d.finish_reason, d.error is not None) for d in ends] == [("error", True)]
+            assert [t for d in deltas for t in d.token_ids] == references[0][:3]
+            continue
+        assert all(d.finish_reason == "length" and d.error is None for d in ends)
+        for index in range(params.n):
+            got = [t for d in deltas if d.index == index for t in d.token_ids]
+            assert got == references[index]
