@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 import socket
 import threading
@@ -20,9 +21,12 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from live_server import LiveServer, live_server, save_tiny_chat_model
 
 from radixlm.config import CacheConfig, ServerConfig
+from radixlm.server.admission import json_values_bound
 from radixlm.server.body import BodyLimitMiddleware
 
 pytestmark = pytest.mark.timeout(180)
@@ -83,6 +87,41 @@ def test_oversized_chat_content_and_message_counts_are_refused(server: LiveServe
     half = server.post("/v1/chat/completions", json={"messages": long[:1]})
     _assert_length_error(half, "messages")  # one half alone passes as characters, not as tokens
     assert "tokens long" in half.json()["error"]["message"]
+
+
+def test_bodies_with_more_json_values_than_can_fit_are_refused(server: LiveServer) -> None:
+    ids = server.post("/v1/completions", json={"prompt": [[65] * 1000] * 64})
+    _assert_length_error(ids, "prompt")
+    assert "JSON values" in ids.json()["error"]["message"]
+    chat = server.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "z"}] * 5000}
+    )
+    _assert_length_error(chat, "messages")
+    assert server.wait_idle()["idle"]
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet=',[{"\\ab'),
+    lambda inner: (
+        st.lists(inner, min_size=1) | st.dictionaries(st.text(alphabet=',"\\'), inner, min_size=1)
+    ),
+    max_leaves=30,
+)
+
+
+def _count_values(value: Any) -> int:
+    if isinstance(value, list):
+        return 1 + sum(_count_values(v) for v in value)
+    if isinstance(value, dict):
+        return 1 + sum(_count_values(v) for v in value.values())
+    return 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(json_values, st.booleans())
+def test_the_json_value_bound_is_exact_without_empty_containers(value: Any, ascii: bool) -> None:
+    raw = json.dumps(value, ensure_ascii=ascii).encode()
+    assert json_values_bound(raw) == _count_values(value)
 
 
 def test_memory_after_a_burst_of_oversized_requests_returns(server: LiveServer) -> None:

@@ -2,13 +2,19 @@
 
 A request may cost the server only what its answer is worth, so the cheap checks run first:
 
-1. Lengths in characters. No token of the model covers more than `max_chars_per_token`
+1. The number of JSON values, before the schema: the schema holds the GIL for every value it
+   reads (~10 us for a chat message), so a 25 MiB body of one-character messages or of token ids
+   stalled every stream for seconds. A request can only use so many values: 64 prompts of at
+   most max_seq_len ids, or max_seq_len messages (each takes at least one token) of a few values
+   each. `json_values_bound` counts them with vectorized byte scans (numpy, the GIL released) on
+   the tokenizer threads, and only when a plain comma count says the body might exceed its bound.
+2. Lengths in characters. No token of the model covers more than `max_chars_per_token`
    characters, so a text longer than `max_seq_len * max_chars_per_token` cannot fit, and is a 400
    before a single token is computed (a 30 MB prompt used to cost ~44 s and GBs to refuse). Chat
    counts the characters of all contents together, and the messages (every template writes at
    least one token per message, its role marker).
-2. Token arrays: their length against `max_seq_len`, before each id is checked.
-3. Tokenization and chat-template rendering run in a small thread pool, off the event loop, at
+3. Token arrays: their length against `max_seq_len`, before each id is checked.
+4. Tokenization and chat-template rendering run in a small thread pool, off the event loop, at
    most `max_concurrent_tokenizations` at once; up to `max_queued_tokenizations` more wait, and
    beyond that a request is a 503 with Retry-After.
 """
@@ -22,9 +28,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
+
 from radixlm.config import ServerConfig
 from radixlm.server.errors import APIError
-from radixlm.server.protocol import ChatMessage
+from radixlm.server.protocol import MAX_BATCH_PROMPTS, ChatMessage
 
 T = TypeVar("T")
 
@@ -70,6 +78,22 @@ class Admission:
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(
             config.max_concurrent_tokenizations, thread_name_prefix="radixlm-tokenize"
+        )
+
+    async def check_json_values(self, raw: bytes, chat: bool) -> None:
+        """A 400 when a body holds more JSON values than any request that fits could use."""
+        seq_len = self.limits.max_seq_len
+        limit = 8 * seq_len + 256 if chat else MAX_BATCH_PROMPTS * (seq_len + 1) + 256
+        quick = raw.count(b",") + raw.count(b"[") + raw.count(b"{")  # counts commas in text too
+        if quick < limit or await self._run(json_values_bound, raw) <= limit:
+            return
+        what = "messages" if chat else "prompt"
+        raise APIError(
+            400,
+            f"The request holds more than {limit} JSON values and cannot fit: "
+            f"{self.limits.describe()}",
+            param=what,
+            code="context_length_exceeded",
         )
 
     def close(self) -> None:
@@ -156,3 +180,15 @@ def check_fits(limits: ModelLimits, prompt_len: int, param: str) -> None:
             param=param,
             code="context_length_exceeded",
         )
+
+
+def json_values_bound(raw: bytes) -> int:
+    """An upper bound on the values in the JSON text `raw` (exact for valid JSON but for one per
+    empty container): one more than the commas, brackets and braces outside strings. Escaped
+    backslashes, then escaped quotes, are removed first, so every quote left opens or closes a
+    string and the parity of the quotes before a byte says whether it is inside one."""
+    unescaped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    text = np.frombuffer(unescaped, dtype=np.uint8)
+    inside = np.cumsum(text == ord('"'), dtype=np.uint8) & 1  # uint8 wraps, parity survives
+    structural = (text == ord(",")) | (text == ord("[")) | (text == ord("{"))
+    return int(np.count_nonzero(structural & (inside == 0))) + 1

@@ -50,7 +50,7 @@ def openai_router(state: ServerState) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await _parse(request, CompletionRequest)
+        body = await _parse(request, state, CompletionRequest)
         _check_model(state, body.model)
         prompts = [await state.admission.prompt_ids(p) for p in body.prompts]
         header = _header(state, body, "completion", body.logprobs, prompts)
@@ -59,7 +59,7 @@ def openai_router(state: ServerState) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await _parse(request, ChatCompletionRequest)
+        body = await _parse(request, state, ChatCompletionRequest)
         _check_model(state, body.model)
         prompt = await state.admission.chat_ids(body.messages)
         top = (body.top_logprobs or 0) if body.logprobs else None
@@ -82,8 +82,9 @@ def openai_router(state: ServerState) -> APIRouter:
 
 
 # ---- request -> engine ----------------------------------------------------------------------
-async def _parse(request: Request, model: type[M]) -> M:
+async def _parse(request: Request, state: ServerState, model: type[M]) -> M:
     raw = await request.body()  # already read within its limits by BodyLimitMiddleware
+    await state.admission.check_json_values(raw, chat=model is ChatCompletionRequest)
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
