@@ -33,7 +33,6 @@ import torch
 
 from radixlm.engine.sampling_ops import (
     FLOAT32,
-    column,
     inverse_cdf,
     keep_min_p,
     keep_top_k,
@@ -231,25 +230,49 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> to
     if not rep_rows and not freq_rows:
         return logits
     logits = logits.clone()
-    vocab_size, device = logits.shape[1], logits.device
+    flat = logits.view(-1)  # (R * V,): token t of row r at r * V + t
+    num_rows, vocab_size, device = logits.shape[0], logits.shape[1], logits.device
+    # Only the tokens a row has seen change: update those (a few hundred per row), not (R, V).
     if rep_rows:
         seqs = [
             torch.cat([states[i].prompt_tensor(), _ids(states[i].output_ids)]) for i in rep_rows
         ]
-        seen = (_occurrences(seqs, vocab_size) > 0).to(device)  # (P, V)
-        penalty = column([_clamped_penalty(states[i].params) for i in rep_rows], device)
-        rows = torch.tensor(rep_rows, device=device)
-        x = logits[rows]
-        x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
-        logits[rows] = x.clamp_(FLOAT32.min, FLOAT32.max)
+        seen = _positions(seqs, rep_rows, vocab_size)
+        penalties = [_clamped_penalty(states[i].params) for i in rep_rows]
+        penalty = _by_row(rep_rows, penalties, num_rows)[seen.row].to(device)
+        index = seen.flat_index.to(device)
+        x = flat[index]
+        x = torch.where(x > 0, x / penalty, x * penalty)
+        flat[index] = x.clamp_(FLOAT32.min, FLOAT32.max)
     if freq_rows:
-        counts = _occurrences([_ids(states[i].output_ids) for i in freq_rows], vocab_size)
-        counts = counts.to(device)  # (F, V)
-        frequency = column([states[i].params.frequency_penalty for i in freq_rows], device)
-        presence = column([states[i].params.presence_penalty for i in freq_rows], device)
-        rows = torch.tensor(freq_rows, device=device)
-        logits[rows] -= frequency * counts + presence * (counts > 0)
+        out = _positions([_ids(states[i].output_ids) for i in freq_rows], freq_rows, vocab_size)
+        params = [states[i].params for i in freq_rows]
+        frequency = _by_row(freq_rows, [p.frequency_penalty for p in params], num_rows)[out.row]
+        presence = _by_row(freq_rows, [p.presence_penalty for p in params], num_rows)[out.row]
+        shift = frequency * out.occurrences + presence
+        flat[out.flat_index.to(device)] -= shift.to(device)
     return logits
+
+
+class _Positions(NamedTuple):
+    """The distinct tokens of some rows' sequences, as positions in the flattened (R, V)."""
+
+    flat_index: torch.Tensor  # (N,) row * V + token, ascending
+    row: torch.Tensor  # (N,) the row of each
+    occurrences: torch.Tensor  # (N,) float32: how often the token is in its row's sequence
+
+
+def _positions(seqs: Sequence[torch.Tensor], rows: Sequence[int], vocab_size: int) -> _Positions:
+    flat = torch.cat([seq + row * vocab_size for seq, row in zip(seqs, rows, strict=True)])
+    index, count = torch.unique(flat, return_counts=True)
+    return _Positions(index, index // vocab_size, count.float())
+
+
+def _by_row(rows: Sequence[int], values: Sequence[float], num_rows: int) -> torch.Tensor:
+    """(num_rows,) float32 on the host: values[i] at rows[i], 0 elsewhere."""
+    result = torch.zeros(num_rows)
+    result[torch.tensor(rows, dtype=torch.long)] = torch.tensor(values, dtype=torch.float32)
+    return result
 
 
 def _clamped_penalty(params: SamplingParams) -> float:
@@ -259,14 +282,6 @@ def _clamped_penalty(params: SamplingParams) -> float:
 def _check_shape(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
     if logits.dim() != 2 or logits.shape[0] != len(states):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} states")
-
-
-def _occurrences(seqs: Sequence[torch.Tensor], vocab_size: int) -> torch.Tensor:
-    """(len(seqs), vocab_size) float32 counts of each token id in each sequence, on the host."""
-    rows = torch.cat([torch.full((len(s),), i, dtype=torch.long) for i, s in enumerate(seqs)])
-    counts = torch.zeros(len(seqs), vocab_size)
-    counts.index_put_((rows, torch.cat(list(seqs))), torch.ones(len(rows)), accumulate=True)
-    return counts
 
 
 def _ids(token_ids: Sequence[int]) -> torch.Tensor:
