@@ -53,6 +53,9 @@ def main() -> int:
     parser.add_argument("--json", default=str(REPO / "docs" / "bench" / "replicas.json"))
     parser.add_argument("--runs", default=",".join(RUNS), help="a subset of " + ",".join(RUNS))
     parser.add_argument("--kill-after", type=float, default=None, help="seconds into the run")
+    parser.add_argument(
+        "--repeats", type=int, default=0, help="more cache_aware runs, workload seeds 1..N"
+    )
     args = parser.parse_args()
     wanted = args.runs.split(",")
     results: dict[str, Any] = {"host": describe_host(), "config": vars(args), "runs": {}}
@@ -64,6 +67,11 @@ def main() -> int:
         for i, policy in enumerate(("cache_aware", "round_robin")):
             if policy in wanted:
                 runs[policy] = run_behind_smg(cluster, args, [a, b], policy, args.port + 10 * i)
+        for seed in range(1, args.repeats + 1):
+            run = run_behind_smg(
+                cluster, args, [a, b], "cache_aware", args.port + 30 + seed, seed=seed
+            )
+            results.setdefault("cache_aware_repeats", []).append(brief(run, seed))
         if "kill" in wanted:
             kill_after = args.kill_after
             if kill_after is None:
@@ -92,12 +100,13 @@ def run_behind_smg(
     port: int,
     victim: Process | None = None,
     kill_after_s: float = 0.0,
+    seed: int = 0,
 ) -> dict[str, Any]:
     urls = [r.url for r in replicas]
     cluster.flush(urls)
     gateway = cluster.start_smg(urls, port, policy, *args.smg_arg)
     try:
-        result = run_bench(args, gateway.url, urls, cluster, victim, kill_after_s)
+        result = run_bench(args, gateway.url, urls, cluster, victim, kill_after_s, seed)
         result["smg_metrics"] = smg_metrics(port + 1000)
         return result
     finally:
@@ -124,6 +133,7 @@ def run_bench(
     cluster: LocalCluster | None = None,
     victim: Process | None = None,
     kill_after_s: float = 0.0,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """One `bench serve` run; with a victim, SIGKILL it `kill_after_s` into the run."""
     parser = argparse.ArgumentParser()
@@ -131,7 +141,7 @@ def run_bench(
     argv = [
         "--base-url", base_url, "--workload", "gsp", "--prompt-format", "chat",
         "--stream", "one-per-group", "--concurrency", "4", "--token-range", "0:100000",
-        "--timeout", "300", "--param", f"num_groups={args.groups}",
+        "--timeout", "300", "--seed", str(seed), "--param", f"num_groups={args.groups}",
         "--param", f"prompts_per_group={args.per_group}",
         "--param", f"system_prompt_len={args.system_len}",
         "--param", f"question_len={args.question_len}", "--param", f"output_len={args.output_len}",
@@ -158,6 +168,13 @@ def run_bench(
 
     print(format_summary(result["summary"]))
     return result
+
+
+def brief(run: dict[str, Any], seed: int) -> dict[str, Any]:
+    s = run["summary"]
+    keys = ("hit_rate", "server_prefill_tokens", "ideal_prefill_tokens", "worker_share",
+            "min_group_affinity", "num_errors")  # fmt: skip
+    return {"seed": seed, **{k: s.get(k) for k in keys}}
 
 
 def targets(runs: dict[str, Any]) -> dict[str, Any]:

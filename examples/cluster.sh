@@ -32,7 +32,8 @@ stop() {
         kill -KILL "$pid" 2>/dev/null || true
     done
 }
-trap stop INT TERM EXIT
+trap 'stop; exit 130' INT TERM
+trap stop EXIT
 
 wait_for() {  # URL: poll until it answers 200, at most 5 minutes (a replica loads its model)
     for _ in $(seq 1500); do
@@ -66,4 +67,4 @@ echo "  curl http://127.0.0.1:$PORT/v1/chat/completions -H 'Content-Type: applic
 echo "    -d '{\"model\": \"SmolLM2-135M-Instruct\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}]}'"
 echo "Ctrl-C stops everything (logs: $LOGS)"
 wait -n "${pids[@]}" || true
-echo "a process exited; see $LOGS" >&2
+echo "a process exited on its own; see $LOGS" >&2
