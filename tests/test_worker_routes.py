@@ -43,7 +43,8 @@ def _complete(server: LiveServer, prompt: str, max_tokens: int = 4) -> dict:  # 
 
 
 def test_loads_count_only_what_requests_hold(model: Path) -> None:
-    with live_server(model) as server:
+    fresh = ServerConfig(model_name="tiny", metrics_snapshot_ttl_s=0.0)  # no reused snapshot
+    with live_server(model, server=fresh) as server:
         idle = server.get("/v1/loads").json()
         assert set(idle) >= {"timestamp", "dp_rank_count", "loads"}
         assert idle["dp_rank_count"] == 1 and len(idle["loads"]) == 1

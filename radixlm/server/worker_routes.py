@@ -48,7 +48,8 @@ def worker_router(state: ServerState) -> APIRouter:
 
     @router.get("/v1/loads")
     async def loads() -> JSONResponse:
-        snapshot = await _call(state, take_snapshot)
+        # shares /metrics' snapshots: gateways polling together cost one engine round trip
+        snapshot = await state.snapshots.get(lambda: _call(state, take_snapshot))
         max_running = state.engine.engine.scheduler_config.max_running_requests
         return JSONResponse(loads_body(snapshot, max_running, datetime.now(timezone.utc)))
 
