@@ -491,3 +491,13 @@ def test_skinny_linear_refuses_what_it_cannot_do() -> None:
         kernels.skinny_linear(torch.zeros(2, 10), packed)
     with pytest.raises(ValueError, match="dtype"):
         kernels.skinny_linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_each_matmul_goes_to_the_faster_path(isa: str) -> None:
+    """Decode batches always go native; prefill chunks go to oneDNN where it packed the weight,
+    but on avx512 (whose tiles beat it)."""
+    kernels = require_native_kernels(isa)
+    assert kernels.runs_linear(native.NATIVE_LINEAR_ROWS, onednn_packed=True)
+    assert kernels.runs_linear(512, onednn_packed=False)  # nothing else would be fast
+    assert kernels.runs_linear(512, onednn_packed=True) == (isa == "avx512")

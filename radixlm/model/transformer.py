@@ -69,7 +69,13 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernels, skinny = self.skinny_kernels, self.skinny
         rows = x.dim() == 2 and x.shape[0] > 0
-        if kernels is not None and skinny is not None and rows and x.dtype == skinny.dtype:
+        if (
+            kernels is not None
+            and skinny is not None
+            and rows
+            and x.dtype == skinny.dtype
+            and kernels.runs_linear(x.shape[0], self.weight.is_mkldnn)
+        ):
             y = kernels.skinny_linear(x.contiguous(), skinny)
             return y if self.bias is None else y + self.bias
         return packed_linear.linear(x, self.weight, self.bias)

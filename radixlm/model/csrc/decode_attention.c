@@ -76,20 +76,32 @@ ALWAYS_INLINE vf load_kv(const char *row, int64_t d, const int bf16)
    the next chunk's rows (next_k, next_v) as it goes.
    Row by row: the query row (scores) and the output row (P V) stay in vector registers while
    the chunk's K and V rows, in L1 by now, stream past. */
-ALWAYS_INLINE void update_block(const char *const *k_rows, const char *const *v_rows,
-                                int64_t count, const float *q, int64_t nb, float *acc, float *m,
-                                float *l, const int64_t D, const int bf16,
-                                const char *const *next_k, const char *const *next_v,
-                                int64_t next_count)
+ALWAYS_INLINE void update_rows(const char *const *k_rows, const char *const *v_rows,
+                               int64_t count, const float *q, int64_t nb, float *acc, float *m,
+                               float *l, const int64_t D, const int bf16,
+                               const char *const *next_k, const char *const *next_v,
+                               int64_t next_count, int64_t next_bytes)
 {
     const int64_t nv = D / VL;
     for (int64_t i = 0; i < nb; i++) {
         vf qv[MAX_VECTORS], a[MAX_VECTORS];
         float s[CHUNK];
         for (int64_t c = 0; c < nv; c++) qv[c] = loadv(q + i * D + VL * c);
-        for (int64_t j = 0; j < count; j++) { /* s = q K^T */
-            if (i == 0 && j < next_count) /* the next chunk's rows, one key at a time */
-                prefetch_row(next_k[j], next_v[j], D * (bf16 ? 2 : 4));
+        int64_t j = 0;
+        for (; j + VL <= count; j += VL) { /* s = q K^T, VL keys summed at once (sums_of) */
+            vf dots[VL];
+            for (int t = 0; t < VL; t++) {
+                if (i == 0 && j + t < next_count) /* the next chunk's rows, one key at a time */
+                    prefetch_row(next_k[j + t], next_v[j + t], next_bytes);
+                dots[t] = qv[0] * load_kv(k_rows[j + t], 0, bf16);
+                for (int64_t c = 1; c < nv; c++)
+                    dots[t] += qv[c] * load_kv(k_rows[j + t], VL * c, bf16);
+            }
+            storev(s + j, sums_of(dots));
+        }
+        for (; j < count; j++) { /* the chunk's last keys, one at a time */
+            if (i == 0 && j < next_count)
+                prefetch_row(next_k[j], next_v[j], next_bytes);
             vf dot = qv[0] * load_kv(k_rows[j], 0, bf16);
             for (int64_t c = 1; c < nv; c++) dot += qv[c] * load_kv(k_rows[j], VL * c, bf16);
             s[j] = hsum(dot);
@@ -112,6 +124,33 @@ ALWAYS_INLINE void update_block(const char *const *k_rows, const char *const *v_
             for (int64_t c = 0; c < nv; c++) a[c] += s[j] * load_kv(v_rows[j], VL * c, bf16);
         for (int64_t c = 0; c < nv; c++) storev(acc + i * D + VL * c, a[c]);
     }
+}
+
+/* update_rows for a chunk of keys; bfloat16 K/V are widened once for all nb rows first (not
+   once per row: row by row, the widening cost more than the dot products). */
+ALWAYS_INLINE void update_block(const char *const *k_rows, const char *const *v_rows,
+                                int64_t count, const float *q, int64_t nb, float *acc, float *m,
+                                float *l, const int64_t D, const int bf16,
+                                const char *const *next_k, const char *const *next_v,
+                                int64_t next_count)
+{
+    const int64_t next_bytes = D * (bf16 ? 2 : 4);
+    if (!bf16 || nb == 1) {
+        update_rows(k_rows, v_rows, count, q, nb, acc, m, l, D, bf16, next_k, next_v, next_count,
+                    next_bytes);
+        return;
+    }
+    float wide[2][CHUNK * 256]; /* K, V rows as float32 */
+    const char *kw[CHUNK], *vw[CHUNK];
+    for (int64_t j = 0; j < count; j++) {
+        for (int64_t c = 0; c < D / VL; c++) {
+            storev(wide[0] + j * D + VL * c, load_kv(k_rows[j], VL * c, 1));
+            storev(wide[1] + j * D + VL * c, load_kv(v_rows[j], VL * c, 1));
+        }
+        kw[j] = (const char *)(wide[0] + j * D);
+        vw[j] = (const char *)(wide[1] + j * D);
+    }
+    update_rows(kw, vw, count, q, nb, acc, m, l, D, 0, next_k, next_v, next_count, next_bytes);
 }
 
 /* n query rows (contiguous, pre-scaled) attend to the keys slots[0 .. len): each K/V row is

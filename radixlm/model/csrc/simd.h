@@ -107,13 +107,25 @@ ALWAYS_INLINE int any_above(vf x, float bound)
      (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},                               \
      (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}}
 #define FOLDS 4
+#define TREE_LO                                                                                \
+    {(vi){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},                             \
+     (vi){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},                           \
+     (vi){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},                           \
+     (vi){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}}
+#define TREE_BITREV (vi){0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15}
 #elif VL == 8
 #define FOLD_MASKS                                                                             \
     {(vi){4, 5, 6, 7, 0, 1, 2, 3}, (vi){2, 3, 0, 1, 6, 7, 4, 5}, (vi){1, 0, 3, 2, 5, 4, 7, 6}}
 #define FOLDS 3
+#define TREE_LO                                                                                \
+    {(vi){0, 1, 2, 3, 8, 9, 10, 11}, (vi){0, 1, 8, 9, 4, 5, 12, 13},                           \
+     (vi){0, 8, 2, 10, 4, 12, 6, 14}}
+#define TREE_BITREV (vi){0, 4, 2, 6, 1, 5, 3, 7}
 #else
 #define FOLD_MASKS {(vi){2, 3, 0, 1}, (vi){1, 0, 3, 2}}
 #define FOLDS 2
+#define TREE_LO {(vi){0, 1, 4, 5}, (vi){0, 4, 2, 6}}
+#define TREE_BITREV (vi){0, 2, 1, 3}
 #endif
 
 ALWAYS_INLINE float hmax(vf x)
@@ -128,6 +140,23 @@ ALWAYS_INLINE float hsum(vf x)
     const vi masks[FOLDS] = FOLD_MASKS;
     for (int f = 0; f < FOLDS; f++) x += __builtin_shuffle(x, masks[f]);
     return x[0];
+}
+
+/* The horizontal sums of VL vectors as one vector, lane j the sum of x[j]'s lanes: a tree of
+   VL - 1 folds instead of VL horizontal sums. A fold of a and b at width w adds each block of
+   2w lanes' halves, a's into the first w lanes and b's into the next w (two two-source
+   shuffles and an add; TREE_LO picks the low halves, the high ones are w lanes further), so
+   each level halves the vectors and the width. The sums come out in bit-reversed order, put
+   back by one permute. x is overwritten. */
+ALWAYS_INLINE vf sums_of(vf x[VL])
+{
+    const vi lo[FOLDS] = TREE_LO;
+    int n = VL, w = VL / 2;
+    for (int f = 0; f < FOLDS; f++, n /= 2, w /= 2)
+        for (int j = 0; j < n / 2; j++)
+            x[j] = __builtin_shuffle(x[2 * j], x[2 * j + 1], lo[f]) +
+                   __builtin_shuffle(x[2 * j], x[2 * j + 1], lo[f] + w);
+    return __builtin_shuffle(x[0], TREE_BITREV);
 }
 
 /* 2^t. Scores are kept in log2 units (the kernels fold log2(e) into the softmax scale): t = n
