@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/replicas.py                        # docs/bench/replicas.json
     .venv/bin/python benchmarks/replicas.py --groups 3 --per-group 3 --system-len 200 \\
-        --json /tmp/replicas.json                                  # a quick look
+        --json quick.json                                          # a quick look
 
 Two replicas (1 thread, --num-slots 5120 each) behind smg; G prefix groups x P chat requests
 (a system prompt of --system-len words per group, ~1 token each), interleaved, concurrency 4,
@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ def main() -> int:
     parser.add_argument("--num-slots", type=int, default=5120, help="per replica")
     parser.add_argument("--port", type=int, default=18600, help="first of the ports used")
     parser.add_argument("--smg-arg", action="append", default=[], help="passed to smg launch")
-    parser.add_argument("--logs", default="/tmp/radixlm-replicas", help="process logs")
+    parser.add_argument("--logs", default=None, help="process logs (default: a temporary dir)")
     parser.add_argument("--json", default=str(REPO / "docs" / "bench" / "replicas.json"))
     parser.add_argument("--runs", default=",".join(RUNS), help="a subset of " + ",".join(RUNS))
     parser.add_argument("--kill-after", type=float, default=None, help="seconds into the run")
@@ -58,9 +59,11 @@ def main() -> int:
     )
     args = parser.parse_args()
     wanted = args.runs.split(",")
-    results: dict[str, Any] = {"host": describe_host(), "config": vars(args), "runs": {}}
+    config = {k: v for k, v in vars(args).items() if k not in ("logs", "json")}  # no local paths
+    results: dict[str, Any] = {"host": describe_host(), "config": config, "runs": {}}
     runs = results["runs"]
-    with LocalCluster(Path(args.logs), model=args.model) as cluster:
+    logs = Path(args.logs or tempfile.mkdtemp(prefix="radixlm-replicas-"))
+    with LocalCluster(logs, model=args.model) as cluster:
         a, b = cluster.start_replicas(
             [args.port + 1, args.port + 2], 1, args.num_slots, worker_ids=["replica-a", "replica-b"]
         )

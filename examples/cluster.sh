@@ -6,7 +6,7 @@
 #
 # Replica i listens on 127.0.0.1:$((PORT + i)) with --worker-id replica-i; smg on
 # 127.0.0.1:$PORT (OpenAI API under /v1) and its Prometheus metrics on 127.0.0.1:$((PORT + 1000)).
-# Logs go to ${LOGS:-/tmp/radixlm-cluster}. Ctrl-C stops smg and every replica.
+# Logs go to $LOGS (default: a new temporary directory). Ctrl-C stops smg and every replica.
 set -euo pipefail
 
 K=${1:-${K:-2}}
@@ -15,7 +15,7 @@ K=${1:-${K:-2}}
 PORT=${PORT:-8000}
 THREADS=${THREADS:-1}
 SLOTS=${SLOTS:-32768}
-LOGS=${LOGS:-/tmp/radixlm-cluster}
+LOGS=${LOGS:-$(mktemp -d -t radixlm-cluster.XXXXXX)}
 BIN=$(cd "$(dirname "$0")/.." && pwd)/.venv/bin
 PY=${PYTHON:-$BIN/python}
 SMG=${SMG:-$BIN/smg}
