@@ -17,16 +17,24 @@ with different k.
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 if TYPE_CHECKING:  # the engine's types; importing them here at run time would be a cycle
+    from radixlm.agents.grammar import GrammarMatcher
     from radixlm.cache.tree_node import TreeNode
     from radixlm.detokenizer import OutputStream
     from radixlm.engine.sampler import SamplingState
+
+
+class Constraint(Protocol):
+    """A grammar every sample of a request follows (`radixlm.agents.grammar` builds them)."""
+
+    def new_matcher(self) -> GrammarMatcher: ...
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, bias)
+    min_tokens: int = 0  # end-of-sequence and stop ids are banned until this many outputs
+    constraint: Constraint | None = None  # a grammar every sample's output follows
 
     def __post_init__(self) -> None:
         # Accept lists for the tuple fields (frozen dataclasses need object.__setattr__).
@@ -57,6 +68,16 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
+        _check(all(t >= 0 for t, _ in self.logit_bias), "logit_bias token ids must be >= 0")
+        _check(
+            all(math.isfinite(b) for _, b in self.logit_bias), "logit_bias values must be finite"
+        )
+        _check(
+            0 <= self.min_tokens <= self.max_tokens,
+            f"min_tokens must be in [0, max_tokens], got {self.min_tokens}",
+        )
         _check(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
         _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")

@@ -180,3 +180,20 @@ class ChatOutputs:
         if index not in self._choices:
             self._choices[index] = _Choice(ToolCallParser(), [], [], [])
         return self._choices[index]
+
+
+def finish_reason(reason: str | None, made_calls: bool) -> str | None:
+    """OpenAI's finish_reason: "tool_calls" when an output that ended normally made calls."""
+    return "tool_calls" if made_calls and reason in ("stop", "length") else reason
+
+
+def call_deltas(delta: ParseDelta) -> list[dict[str, Any]]:
+    """A parse delta's calls as OpenAI stream deltas: id, type and name first, then fragments."""
+    out: list[dict[str, Any]] = []
+    for call in delta.calls:
+        if call.name is not None:
+            out.append({"index": call.index, "id": call.id, "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments}})  # fmt: skip
+        else:
+            out.append({"index": call.index, "function": {"arguments": call.arguments}})
+    return out

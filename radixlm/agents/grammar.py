@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import llguidance
 import llguidance.hf
+import numpy as np
 import torch
 
 from radixlm.agents.chat_format import CALL_SEPARATOR, CALL_SUFFIX, call_prefix
@@ -60,6 +61,11 @@ class GrammarMatcher:
     @property
     def error(self) -> str:
         return self._matcher.get_error()
+
+    @property
+    def failed(self) -> bool:
+        """The matcher is in an error state (it stays there)."""
+        return self._matcher.is_error()
 
     @property
     def is_finished(self) -> bool:
@@ -175,27 +181,24 @@ def apply_token_masks(
 ) -> MaskedScores:
     """Mask every constrained row of `logits` (R, V) in one batched op; never modifies the input.
 
-    Bitmasks are computed on the host (llguidance, microseconds per row), unpacked to a (G, V)
-    boolean and applied with one masked_fill over the constrained rows.
+    Bitmasks are computed on the host (llguidance, microseconds per row) and unpacked into one
+    (R, V) "disallowed" boolean (unconstrained rows all False), applied by one masked_fill.
     """
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return MaskedScores(logits, [])
-    vocab = logits.shape[1]
+    num_rows, vocab = logits.shape
     words = (vocab + 31) // 32
-    bitmask = torch.zeros((len(rows), words), dtype=torch.int32)  # (G, W)
-    for j, i in enumerate(rows):
+    bitmask = torch.full((num_rows, words), -1, dtype=torch.int32)  # (R, W): all allowed
+    for i in rows:
         matcher = matchers[i]
         assert matcher is not None
-        matcher.fill_mask(bitmask[j])
-    bits = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(len(rows), words * 32)
-    allowed = allowed[:, :vocab].to(logits.device)  # (G, V)
-    index = torch.tensor(rows, device=logits.device)
-    scores = logits.clone()
-    scores[index] = logits[index].masked_fill(~allowed, float("-inf"))
-    empty = (~allowed.any(dim=1)).nonzero().flatten().tolist()
-    failed = sorted({rows[j] for j in empty} | {i for i in rows if matchers[i].error})  # type: ignore[union-attr]
+        matcher.fill_mask(bitmask[i])
+    failed = [i for i in rows if matchers[i].failed or not bool(bitmask[i].any())]  # type: ignore[union-attr]
+    # bit b of word w is token 32 w + b: little-endian bytes, least significant bit first
+    disallowed = np.unpackbits(~bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    disallowed_t = torch.from_numpy(disallowed[:, :vocab].view(np.bool_))  # (R, V)
+    scores = logits.masked_fill(disallowed_t.to(logits.device), float("-inf"))
     return MaskedScores(scores, failed)
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixlm.agents.grammar import GrammarError
 from radixlm.cache.prefix_cache import create_prefix_cache
 from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
 from radixlm.detokenizer import OutputStream
@@ -103,7 +104,9 @@ class Engine:
         self._validate(prompt, params)
         samples = [Request(rid, prompt, params, namespace, index=i) for i in range(params.n)]
         for req in samples:
-            req.sampling = SamplingState(req.params, req.prompt_ids, req.output_ids, req.index)
+            req.sampling = SamplingState(
+                req.params, req.prompt_ids, req.output_ids, req.index, self._stop_ids(params)
+            )
             req.text = OutputStream(self.tokenizer, req.params)
         leader = samples[0]
         if self.cache.shares_prefixes:
@@ -190,6 +193,10 @@ class Engine:
     def _append_token(self, req: Request, sampled: SampledToken, now: float) -> list[StreamDelta]:
         token = sampled.token_id
         try:
+            req.sampling.advance(token)  # the grammar, if any, follows every sampled token
+        except GrammarError as exc:
+            return self._fail(req, "following its grammar", exc)
+        try:
             text, reason = req.text.push(token)  # the only place that decides why an output ends
         except Exception as exc:  # the request's own detokenizer or stop checks
             return self._fail(req, "detokenizing", exc)
@@ -258,6 +265,11 @@ class Engine:
             else:
                 self.stats.prefill_tokens += item.extend_len
 
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The ids min_tokens holds back: stop ids, and end-of-sequence unless it is ignored."""
+        eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
+        return eos | frozenset(params.stop_token_ids)
+
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -265,6 +277,11 @@ class Engine:
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(
+                f"logit_bias token id {bad} is outside the vocabulary (0..{vocab - 1})"
+            )
         need = len(prompt) + params.max_tokens
         context = self.runner.max_context_len
         if need > context:

@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 
+from radixlm.agents.grammar import GrammarError, GrammarMatcher, apply_token_masks
 from radixlm.engine.sampling_ops import (
     FLOAT32,
     inverse_cdf,
@@ -63,11 +64,16 @@ class SamplingState:
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
     sample_index: int = 0
+    stop_ids: frozenset[int] = frozenset()  # what min_tokens bans: end-of-sequence and stop ids
     rng: random.Random | None = field(init=False, repr=False)
+    # This sample's own position in the request's grammar (None: unconstrained).
+    matcher: GrammarMatcher | None = field(init=False, repr=False)
     # The prompt never changes, so its token set (for the repetition penalty) is built once.
     _prompt_tensor: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        constraint = self.params.constraint
+        self.matcher = constraint.new_matcher() if constraint is not None else None
         seed = self.params.seed
         if seed is None:
             self.rng = None
@@ -75,6 +81,11 @@ class SamplingState:
             self.rng = random.Random(seed)
         else:
             self.rng = random.Random(f"{seed}/{self.sample_index}")
+
+    def advance(self, token_id: int) -> None:
+        """Move the grammar past the sampled token; GrammarError when it rejects it."""
+        if self.matcher is not None:
+            self.matcher.advance(token_id)
 
     def prompt_tensor(self) -> torch.Tensor:
         if self._prompt_tensor is None:
@@ -175,6 +186,12 @@ class Sampler:
     ) -> SampleOutput:
         logits = logits.float()  # a no-op for float32; half-precision cdfs would be too coarse
         scores = apply_penalties(logits, states)  # (R, V), a copy when any penalty applies
+        scores = apply_logit_bias(scores, states)  # a copy when any bias or ban applies
+        if any(s.matcher is not None for s in states):
+            masked = apply_token_masks(scores, [s.matcher for s in states])  # one batched op
+            if masked.failed:  # sample_each retries row by row: only these rows fail
+                raise GrammarError(f"rows {masked.failed}: the grammar allows no token")
+            scores = masked.scores
         best = scores.max(dim=-1)  # (R,) values and indices: the greedy choice, first of ties
         finite = torch.isfinite(best.values)
         if not bool(finite.all()):
@@ -277,6 +294,37 @@ def _by_row(rows: Sequence[int], values: Sequence[float], num_rows: int) -> torc
 
 def _clamped_penalty(params: SamplingParams) -> float:
     return min(max(params.repetition_penalty, MIN_REPETITION_PENALTY), MAX_REPETITION_PENALTY)
+
+
+def apply_logit_bias(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """Return logits with each row's logit_bias added and, while a row has fewer outputs than
+    its min_tokens, its stop ids at -inf (the input itself when no row has either).
+
+    A complete grammar allows only an end-of-sequence id: min_tokens then bans nothing, or the
+    row would have no token left.
+    """
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    vocab_size = logits.shape[1]
+    for i, s in enumerate(states):
+        for token, bias in s.params.logit_bias:
+            if token < vocab_size:
+                rows.append(i)
+                cols.append(token)
+                values.append(bias)
+        finished = s.matcher is not None and s.matcher.is_finished
+        if len(s.output_ids) < s.params.min_tokens and not finished:
+            banned = [t for t in s.stop_ids if t < vocab_size]
+            rows += [i] * len(banned)
+            cols += banned
+            values += [float("-inf")] * len(banned)
+    if not rows:
+        return logits
+    logits = logits.clone()
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+    logits.index_put_(index, torch.tensor(values, device=logits.device), accumulate=True)
+    return logits
 
 
 def _check_shape(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:

@@ -117,8 +117,13 @@ class Admission:
             )
         return ids
 
-    async def chat_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Prompt token ids of chat messages, rendered by the model's template."""
+    async def chat_ids(
+        self,
+        messages: Sequence[ChatMessage],
+        render: Callable[[list[dict[str, Any]]], list[int]] | None = None,
+    ) -> list[int]:
+        """Prompt token ids of chat messages, rendered by the model's template (through
+        `render` when given: the agents' renderer, which adds tools and remembered turns)."""
         limit = self.limits.max_seq_len
         if len(messages) >= limit:
             raise APIError(
@@ -132,7 +137,7 @@ class Admission:
         self._check_chars(chars, "messages", "The messages' content")
         template = [m.to_template() for m in messages]
         try:
-            ids = await self._run(self.tokenizer.apply_chat_template, template)
+            ids = await self._run(render or self.tokenizer.apply_chat_template, template)
         except ValueError as exc:
             raise APIError(400, f"Invalid messages: {exc}", param="messages") from exc
         check_fits(self.limits, len(ids), "messages")

@@ -14,6 +14,7 @@ engine request and returns its KV slots.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -24,6 +25,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from radixlm.agents.chat import ChatAgents, ChatOutputs, ChatPlan, call_deltas, finish_reason
+from radixlm.agents.grammar import Constraint
 from radixlm.engine.engine import QueueFullError
 from radixlm.request import SamplingParams
 from radixlm.server.admission import check_fits
@@ -57,15 +60,23 @@ def openai_router(state: ServerState) -> APIRouter:
         params = _sampling_params(state, body, prompts, body.max_tokens, body.logprobs, "prompt")
         return await _respond(request, state, body, prompts, params, header, "prompt")
 
+    agents = ChatAgents(state.engine.tokenizer, state.limits.vocab_size)
+
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, state, ChatCompletionRequest)
         _check_model(state, body.model)
-        prompt = await state.admission.chat_ids(body.messages)
+        namespace = state.tenancy.namespace(request, body.cache_salt)
+        plan = await _chat_plan(agents, body)
+        render = functools.partial(agents.prompt_ids, tools=plan.tools, namespace=namespace)
+        prompt = await state.admission.chat_ids(body.messages, render)
         top = (body.top_logprobs or 0) if body.logprobs else None
         header = _header(state, body, "chat", top, [prompt])
-        params = _sampling_params(state, body, [prompt], body.token_limit, top, "messages")
-        return await _respond(request, state, body, [prompt], params, header, "messages")
+        params = _sampling_params(
+            state, body, [prompt], body.token_limit, top, "messages", plan.constraint
+        )
+        outputs = ChatOutputs(agents, plan, namespace)
+        return await _respond(request, state, body, [prompt], params, header, "messages", outputs)
 
     @router.get("/v1/models")
     async def models() -> JSONResponse:
@@ -101,6 +112,21 @@ def _check_model(state: ServerState, model: str | None) -> None:
         )
 
 
+async def _chat_plan(agents: ChatAgents, body: ChatCompletionRequest) -> ChatPlan:
+    """Tools and grammar of a chat request (compiling blocks: off the event loop)."""
+    response_format = body.response_format.to_dict() if body.response_format else None
+    try:
+        return await asyncio.to_thread(
+            agents.plan, body.tool_dicts, body.tool_choice_value, body.parallel_tool_calls,
+            response_format,
+        )  # fmt: skip
+    except ValueError as exc:
+        message = str(exc)
+        param = next((p for p in ("tool_choice", "json_schema") if p in message), "tools")
+        param = "response_format" if param == "json_schema" else param
+        raise APIError(400, message, param=param) from exc
+
+
 def _sampling_params(
     state: ServerState,
     body: SamplingRequest,
@@ -108,8 +134,14 @@ def _sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_param: str,
+    constraint: Constraint | None = None,
 ) -> SamplingParams:
     """The engine's params; max_tokens defaults to what the context and the pool leave."""
+    vocab = state.limits.vocab_size
+    bad = next((t for t, _ in body.logit_bias_pairs if t >= vocab), None)
+    if bad is not None:
+        message = f"logit_bias token id {bad} is outside the vocabulary (0..{vocab - 1})"
+        raise APIError(400, message, param="logit_bias")
     limit = state.limits.max_seq_len
     prompt_len = max(len(p) for p in prompts)
     check_fits(state.limits, prompt_len, prompt_param)
@@ -140,6 +172,9 @@ def _sampling_params(
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             n=body.n,
+            logit_bias=body.logit_bias_pairs,
+            min_tokens=body.min_tokens,
+            constraint=constraint,
         )
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
@@ -173,8 +208,9 @@ async def _respond(
     params: SamplingParams,
     header: ResponseHeader,
     prompt_param: str,
+    outputs: ChatOutputs | None = None,
 ) -> Response:
-    namespace = state.tenancy.namespace(request, body.cache_salt)
+    namespace = outputs.namespace if outputs else state.tenancy.namespace(request, body.cache_salt)
     gen = Generation(
         state.engine, prompts, params, header.id, namespace, state.metrics, state.generations
     )
@@ -186,7 +222,7 @@ async def _respond(
     except ValueError as exc:
         raise APIError(400, str(exc), param=prompt_param) from exc
     if body.stream:
-        chunks = _stream(gen, header, body.include_usage, state.tenancy.reported)
+        chunks = _stream(gen, header, body.include_usage, state.tenancy.reported, outputs)
         return StreamingResponse(chunks, media_type="text/event-stream")
     try:
         results = await _until_disconnected(request, lambda: _collect(gen, len(prompts) * body.n))
@@ -196,6 +232,12 @@ async def _respond(
     if failed is not None:
         status = 503 if failed.finish_reason == "abort" else 500
         raise APIError(status, failed.error or ABORTED)
+    for result in results if outputs else ():
+        assert outputs is not None
+        content, calls = outputs.message("".join(result.text), result.token_ids)
+        if calls:
+            result.content, result.tool_calls = content, [c.to_openai() for c in calls]
+            result.finish_reason = finish_reason(result.finish_reason, made_calls=True)
     return JSONResponse(full_response(header, results, state.tenancy.reported(gen.usage)))
 
 
@@ -211,6 +253,7 @@ async def _stream(
     header: ResponseHeader,
     include_usage: bool,
     reported: Callable[[Usage], Usage],
+    outputs: ChatOutputs | None = None,
 ) -> AsyncIterator[str]:
     started: set[int] = set()
     offsets: dict[int, int] = {}  # text offset per choice (completions logprobs)
@@ -222,18 +265,32 @@ async def _stream(
                 yield _sse(error_body(status, d.error or ABORTED))
                 return
             first = choice.index not in started
-            if not (first or d.text or d.logprobs or d.finish_reason or header.prompts):
-                continue  # text held back (an incomplete character or a possible stop string)
-            offset = offsets.get(choice.index, 0)
             chunk = ChoiceResult.of(choice)
+            if outputs is not None:  # chat: tool calls parsed out of the text as it streams
+                _parse_chunk(outputs, chunk)
+            if not (first or chunk.text[0] or chunk.tool_calls or d.logprobs or d.finish_reason
+                    or header.prompts):  # fmt: skip
+                continue  # text held back (an incomplete character, a stop string, a tag)
+            offset = offsets.get(choice.index, 0)
             yield _sse(stream_chunk(header, chunk, offset, first, include_usage))
             started.add(choice.index)
-            offsets[choice.index] = offset + len(d.text)
+            offsets[choice.index] = offset + len(chunk.text[0])
         if include_usage:
             yield _sse(usage_chunk(header, reported(gen.usage)))
         yield "data: [DONE]\n\n"
     finally:
         await gen.aclose()
+
+
+def _parse_chunk(outputs: ChatOutputs, chunk: ChoiceResult) -> None:
+    """Replace a chunk's text by the content and call deltas the tool-call parser decides."""
+    piece = outputs.delta(chunk.index, chunk.text[0], chunk.token_ids)
+    text, calls = piece.content, call_deltas(piece)
+    if chunk.finish_reason is not None:
+        rest, made_calls = outputs.finish(chunk.index)
+        text, calls = text + rest.content, calls + call_deltas(rest)
+        chunk.finish_reason = finish_reason(chunk.finish_reason, made_calls)
+    chunk.text, chunk.tool_calls = [text], calls or None
 
 
 def _sse(obj: dict[str, Any]) -> str:

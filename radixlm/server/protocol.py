@@ -5,7 +5,8 @@ pydantic's strict mode (a string is never coerced into a number). Parameters Ope
 radixlm does not implement are declared, so a request using them gets "not supported" rather than
 "unrecognized", and rejected unless they hold their no-op value. Extensions follow vLLM's names
 (`top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `cache_salt`,
-`return_token_ids`).
+`return_token_ids`, `min_tokens`). OpenAI's bookkeeping fields (`store`, `metadata`,
+`prompt_cache_key`, `user`) are accepted and change nothing.
 
 What these models guarantee is shape and range; what depends on the loaded model (context length,
 vocabulary, pool size) is checked by the route against the model's limits.
@@ -21,6 +22,7 @@ MAX_N = 16  # samples per prompt; each one holds its own KV slots while decoding
 MAX_STOP = 16  # stop strings per request
 MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 MAX_BATCH_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value; larger ones are clamped
 
 
 class ParamError(ValueError):
@@ -59,9 +61,13 @@ class SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's own records; it changes nothing
+    store: bool | None = None  # OpenAI's stored completions: accepted, nothing is stored
+    metadata: dict[str, str] | None = None  # for the caller's records; changes nothing
+    prompt_cache_key: str | None = None  # OpenAI's cache routing hint; the radix tree needs none
+    min_tokens: int = Field(0, ge=0)  # end-of-sequence and stop ids are banned until then (vLLM)
     return_token_ids: bool = False  # choices carry their token ids (vLLM's extension)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
-    logit_bias: dict[str, float] | None = None  # declared to be refused when non-empty
+    logit_bias: dict[str, float] | None = None  # token id (a string) -> bias, clamped to +-100
 
     @field_validator("stop")
     @classmethod
@@ -82,10 +88,20 @@ class SamplingRequest(_Strict):
 
     @field_validator("logit_bias")
     @classmethod
-    def _refuse_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        if bias:
-            raise ValueError("logit_bias is not supported")
+    def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids; got {key!r}")
         return bias
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """(token id, bias) with each bias clamped to OpenAI's [-100, 100]; ids are checked
+        against the vocabulary by the route."""
+        clamp = MAX_LOGIT_BIAS
+        return tuple(
+            (int(k), min(max(v, -clamp), clamp)) for k, v in sorted((self.logit_bias or {}).items())
+        )
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> SamplingRequest:
@@ -154,33 +170,105 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON text, as the model wrote it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None only for an assistant's tool calls
     # OpenAI's rule for names; it also keeps template syntax and special tokens out of them
     name: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    tool_calls: list[ToolCall] | None = None  # assistant messages only
+    tool_call_id: str | None = None  # tool messages only: the call this answers
+    # What OpenAI's client sends back with an assistant message it received: accepted, unused
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
+
+    def check(self, where: str) -> None:
+        """What a message's role demands of its fields (ParamError naming the field)."""
+        if self.tool_calls and self.role != "assistant":
+            raise ParamError(f"{where}.tool_calls", "only assistant messages carry tool_calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ParamError(f"{where}.content", f"Missing required parameter: {where}.content")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ParamError(
+                f"{where}.tool_call_id", "tool messages, and only they, carry a tool_call_id"
+            )
 
     @property
     def num_chars(self) -> int:
-        """Characters of content (text parts and the newlines that join them)."""
-        if isinstance(self.content, str):
-            return len(self.content)
-        return sum(len(part.text) + 1 for part in self.content)
+        """Characters of content (text parts and the newlines that join them) and of calls."""
+        calls = sum(len(c.function.name) + len(c.function.arguments) for c in self.tool_calls or ())
+        if self.content is None or isinstance(self.content, str):
+            return len(self.content or "") + calls
+        return sum(len(part.text) + 1 for part in self.content) + calls
 
     def to_template(self) -> dict[str, Any]:
-        """The message as the tokenizer's chat template takes it (`developer` is a system
-        message; the tokenizer flattens text parts, the same way for every caller)."""
+        """The message as radixlm's chat rendering takes it (OpenAI's shape; `developer` is a
+        system message; text parts are flattened there, the same way for every caller)."""
         content: Any = self.content
-        if not isinstance(content, str):
+        if isinstance(content, list):
             content = [part.model_dump() for part in content]
         out = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; compiled by the route
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"]  # structured output (json_object, json_schema) is not supported
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with type "json_schema", and only there')
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -191,25 +279,14 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None  # declared to be refused when non-empty
-    tool_choice: Any = None  # declared to be refused unless "none"
-
-    @field_validator("tools")
-    @classmethod
-    def _refuse_tools(cls, tools: list[Any] | None) -> list[Any] | None:
-        if tools:
-            raise ValueError("tools are not supported")
-        return tools
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _refuse_tool_choice(cls, choice: Any) -> Any:
-        if choice not in (None, "none"):
-            raise ValueError('tool_choice is not supported (only "none")')
-        return choice
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
+        for i, message in enumerate(self.messages):
+            message.check(f"messages.{i}")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ParamError(
                 "max_completion_tokens", "give max_tokens or max_completion_tokens, not both"
@@ -225,6 +302,15 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template() for m in self.messages]
+
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
+
+    @property
+    def tool_choice_value(self) -> object:
+        choice = self.tool_choice
+        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
 
 
 def _is_prompt(prompt: Any) -> bool:

@@ -33,6 +33,10 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    # chat with tools: the content left around the calls, and the calls (whole messages) or
+    # the call deltas (stream chunks); None when no call was made
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @classmethod
     def of(cls, choice: ChoiceDelta) -> ChoiceResult:
@@ -113,8 +117,9 @@ def usage_chunk(header: ResponseHeader, usage: Usage) -> dict[str, Any]:
 
 
 def public_finish_reason(reason: str | None) -> str | None:
-    """OpenAI knows "stop" and "length"; an aborted or failed sample is reported as an error."""
-    return reason if reason in ("stop", "length", None) else None
+    """OpenAI knows "stop", "length" and "tool_calls"; an aborted or failed sample is reported
+    as an error."""
+    return reason if reason in ("stop", "length", "tool_calls", None) else None
 
 
 # ---- helpers --------------------------------------------------------------------------------
@@ -132,7 +137,12 @@ def _choice(
     if header.kind == "completion":
         out["text"] = text
     elif chunk:
-        out["delta"] = {"content": text} if text or c.finish_reason is None else {}
+        plain = c.finish_reason is None and not c.tool_calls
+        out["delta"] = {"content": text} if text or plain else {}
+        if c.tool_calls:
+            out["delta"]["tool_calls"] = c.tool_calls
+    elif c.tool_calls:
+        out["message"] = {"role": "assistant", "content": c.content, "tool_calls": c.tool_calls}
     else:
         out["message"] = {"role": "assistant", "content": text}
     out["logprobs"] = lp
