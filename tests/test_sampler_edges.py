@@ -70,6 +70,20 @@ def test_an_extreme_repetition_penalty_keeps_the_exact_order(
             assert exact[token] == max(exact)
 
 
+def test_a_huge_penalised_logit_does_not_blur_the_others_ranks() -> None:
+    # found by the property test: a seen logit of 30 under repetition_penalty 1e-263 becomes
+    # 3e31, and `scores - max` rounds every other score to -3e31, so top_k 8 (deciding on
+    # shifted scores) kept all 38 tokens; the filters now decide on the scores themselves
+    logits = torch.zeros(38)
+    logits[25:32] = torch.tensor([0.01, 0.01, 1.94, 2.04, 3.45, 5.12, 26.95])
+    logits[35] = 30.0
+    params = SamplingParams(temperature=2e31, top_k=8, repetition_penalty=9.5e-264)
+    states = [SamplingState(params, output_ids=[35]) for _ in range(400)]
+    out = Sampler(seed=4).sample(logits.expand(400, 38), states)
+    assert set(out.token_ids) <= {25, 26, 27, 28, 29, 30, 31, 35}  # the top 8 (two tied at 0.01)
+    assert len(set(out.token_ids)) == 8  # a huge temperature: near uniform over them
+
+
 def test_non_finite_logits_fail_their_row_alone() -> None:
     logits = wide_logits(4, 50, seed=3)
     logits[1, 7] = math.nan

@@ -3,9 +3,9 @@
 Pipeline for a batch of R rows (every stage touches only the rows that need it):
 
     raw logits ─► penalties ─► greedy rows: argmax
-                               sampled rows: - row max ─► top_k ─► top_p ─► min_p
-                                             ─► exp(/ temperature) ─► inverse-CDF draw with the
-                                                row's own uniform
+                               sampled rows: top_k ─► top_p ─► min_p (on the scores)
+                                             ─► exp((scores - row max) / temperature)
+                                             ─► inverse-CDF draw with the row's own uniform
 
 Reproducibility: each sampled row consumes exactly one uniform number per step, drawn from its
 request's own `random.Random` (seeded from `SamplingParams.seed`) or, for unseeded requests, from
@@ -38,8 +38,7 @@ from radixlm.engine.sampling_ops import (
     keep_min_p,
     keep_top_k,
     keep_top_p,
-    shift_to_max,
-    to_weights,
+    weights,
 )
 from radixlm.request import SamplingParams
 
@@ -200,7 +199,9 @@ class Sampler:
         token_ids = best.indices
         sampled_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if len(sampled_rows) == len(states):
-            token_ids = self._sample_rows(scores, best.values, states, uniforms)
+            # the filters write into their scores: a copy unless the penalties made one
+            own = scores.clone() if scores is logits else scores
+            token_ids = self._sample_rows(own, best.values, states, uniforms)
         elif sampled_rows:  # the sampled rows overwrite their greedy choice
             index = torch.tensor(sampled_rows, device=logits.device)
             token_ids[index] = self._sample_rows(
@@ -219,14 +220,14 @@ class Sampler:
         states: Sequence[SamplingState],
         uniforms: Sequence[float],
     ) -> torch.Tensor:
-        """Draw one token per row of `scores` (S, V), all with temperature > 0."""
+        """Draw one token per row of `scores` (S, V), all with temperature > 0; the filters
+        write into `scores`."""
         temperature = [s.params.temperature for s in states]
-        shifted = shift_to_max(scores, row_max)  # (S, V), the top token of each row at 0
-        keep_top_k(shifted, [s.params.top_k for s in states])
-        keep_top_p(shifted, [s.params.top_p for s in states], temperature)
-        keep_min_p(shifted, [s.params.min_p for s in states], temperature)
-        weights = to_weights(shifted, temperature)  # (S, V) unnormalised, excluded tokens 0
-        return inverse_cdf(weights, torch.tensor(list(uniforms), device=scores.device))
+        keep_top_k(scores, [s.params.top_k for s in states])
+        keep_top_p(scores, row_max, [s.params.top_p for s in states], temperature)
+        keep_min_p(scores, row_max, [s.params.min_p for s in states], temperature)
+        probs = weights(scores, row_max, temperature)  # (S, V) unnormalised, excluded tokens 0
+        return inverse_cdf(probs, torch.tensor(list(uniforms), device=scores.device))
 
 
 def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:

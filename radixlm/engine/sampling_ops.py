@@ -4,14 +4,16 @@ Each is safe for every value `SamplingParams` accepts, including values that do 
 float32 conversion (a top_p or a temperature of 1e-300 is 0.0 in float32, 1e300 is inf), and
 with subnormal numbers flushed to zero (the native kernels' -ffast-math sets that process-wide):
 
-- the filters work on `shifted = scores - row max`, before any temperature: the top token sits
-  at 0, and dividing by a temperature can then only overflow towards -inf (weight 0), never to
-  +inf or NaN; a temperature is clamped into float32's normal range before it divides;
-- the filters decide by score, not by float32 probability: top-k and top-p rank by score, min-p
-  compares with temperature * log(min_p). Scores still tell tokens apart where a tiny or a huge
-  temperature has rounded their probabilities together, so the limits are exact (a tiny
-  temperature, a tiny top_p, min_p 1: the greedy choice), and each filter keeps its row's top
-  token whatever rounding did to its threshold: a row never ends up empty.
+- the filters decide on the scores themselves, before any shift or temperature, and by score
+  rather than by float32 probability: top-k and top-p rank by score, min-p compares with
+  row max + temperature * log(min_p). Scores still tell tokens apart where a tiny or a huge
+  temperature has rounded their probabilities together (or a huge row max has absorbed the
+  others in `scores - max`), so the limits are exact (a tiny temperature, a tiny top_p, min_p 1:
+  the greedy choice), and each filter keeps its row's top token whatever rounding did to its
+  threshold: a row never ends up empty;
+- probabilities are exp((scores - row max) / temperature): the top token weighs 1, and the
+  division can only overflow towards -inf (weight 0), never to +inf or NaN; a temperature is
+  clamped into float32's normal range before it divides.
 
 Filters work in place (excluded tokens become -inf) and skip the rows that are off: every pass
 over (S, V) costs milliseconds on a CPU (64 x 49152 floats are 12.6 MB).
@@ -30,11 +32,6 @@ NUCLEUS_PROBE = 128
 FLOAT32 = torch.finfo(torch.float32)
 
 
-def shift_to_max(scores: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
-    """A new (S, V) tensor: scores - row_max (S,), each row's top token at 0, the rest below."""
-    return scores - row_max[:, None]
-
-
 def keep_top_k(scores: torch.Tensor, top_k: Sequence[int | None]) -> None:
     """In place: -inf all but each row's k highest scores (ties with the k-th stay)."""
     rows = [i for i, k in enumerate(top_k) if k is not None and k < scores.shape[1]]
@@ -48,8 +45,13 @@ def keep_top_k(scores: torch.Tensor, top_k: Sequence[int | None]) -> None:
     _put_rows(scores, index, sub)
 
 
-def keep_top_p(shifted: torch.Tensor, top_p: Sequence[float], temperature: Sequence[float]) -> None:
-    """In place: -inf every token of `shifted` outside its row's nucleus.
+def keep_top_p(
+    scores: torch.Tensor,
+    row_max: torch.Tensor,
+    top_p: Sequence[float],
+    temperature: Sequence[float],
+) -> None:
+    """In place: -inf every token of `scores` (S, V) outside its row's nucleus.
 
     A token is in the nucleus when the mass of the tokens with a higher score is below top_p, so
     tied tokens are kept or dropped together, and the top token always is (a top_p that rounds
@@ -61,9 +63,11 @@ def keep_top_p(shifted: torch.Tensor, top_p: Sequence[float], temperature: Seque
     rows = [i for i, p in enumerate(top_p) if p < 1.0]
     if not rows:
         return
-    sub, index = _take_rows(shifted, rows)  # (P, V)
-    probs = torch.softmax(sub / _temperature_column([temperature[i] for i in rows], sub), dim=-1)
-    p_col = column([top_p[i] for i in rows], shifted.device)  # (P, 1)
+    sub, index = _take_rows(scores, rows)  # (P, V)
+    sub_max = row_max if index is None else row_max[index]
+    scaled = (sub - sub_max[:, None]).div_(_temperature_column([temperature[i] for i in rows], sub))
+    probs = torch.softmax(scaled, dim=-1)  # (P, V)
+    p_col = column([top_p[i] for i in rows], scores.device)  # (P, 1)
     ranked = torch.topk(sub, min(NUCLEUS_PROBE, sub.shape[1]), dim=-1)  # (P, k) best first
     ranked_probs = probs.gather(1, ranked.indices)
     mass_above = ranked_probs.cumsum(dim=-1) - ranked_probs
@@ -73,28 +77,38 @@ def keep_top_p(shifted: torch.Tensor, top_p: Sequence[float], temperature: Seque
     for j in beyond_probe:
         threshold[j, 0] = _nucleus_threshold(sub[j], probs[j], top_p[rows[j]])
     sub.masked_fill_(sub < threshold, float("-inf"))
-    _put_rows(shifted, index, sub)
+    _put_rows(scores, index, sub)
 
 
-def keep_min_p(shifted: torch.Tensor, min_p: Sequence[float], temperature: Sequence[float]) -> None:
+def keep_min_p(
+    scores: torch.Tensor,
+    row_max: torch.Tensor,
+    min_p: Sequence[float],
+    temperature: Sequence[float],
+) -> None:
     """In place: -inf the tokens less likely than min_p times their row's top token.
 
-    p / p_top = exp(shifted / temperature) >= min_p  <=>  shifted >= temperature * log(min_p),
-    a threshold computed in float64 that stays exact where the probabilities would round (min_p
-    1 keeps the top token and its ties only, at any temperature).
+    p / p_top = exp((score - max) / temperature) >= min_p  <=>
+    score >= max + temperature * log(min_p), the last term computed in float64; stays exact
+    where the probabilities would round (min_p 1 keeps the top token and its ties only, at any
+    temperature).
     """
     if all(p == 0.0 for p in min_p):
         return
-    thresholds = [_min_p_threshold(p, t) for p, t in zip(min_p, temperature, strict=True)]
-    shifted.masked_fill_(shifted < column(thresholds, shifted.device), float("-inf"))
+    margins = [_min_p_margin(p, t) for p, t in zip(min_p, temperature, strict=True)]
+    threshold = row_max[:, None] + column(margins, scores.device)  # (S, 1)
+    scores.masked_fill_(scores < threshold, float("-inf"))
 
 
-def to_weights(shifted: torch.Tensor, temperature: Sequence[float]) -> torch.Tensor:
-    """In place: exp(shifted / temperature), the unnormalised distribution (top token 1,
-    excluded tokens 0). A temperature below float32's smallest normal number acts as that
-    number (every token not tied with the top weighs 0: the greedy limit); one above float32's
-    largest as that (every kept token weighs the same)."""
-    return shifted.div_(_temperature_column(temperature, shifted)).exp_()
+def weights(
+    scores: torch.Tensor, row_max: torch.Tensor, temperature: Sequence[float]
+) -> torch.Tensor:
+    """In place: exp((scores - row_max) / temperature), the unnormalised distribution (the top
+    token weighs 1, -inf tokens 0). A temperature below float32's smallest normal number acts as
+    that number (every token not tied with the top weighs 0: the greedy limit); one above
+    float32's largest as that (every finite token weighs the same)."""
+    shifted = scores.sub_(row_max[:, None])  # (S, V) <= 0
+    return shifted.div_(_temperature_column(temperature, scores)).exp_()
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -119,7 +133,7 @@ def column(values: Sequence[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
 
 
-def _min_p_threshold(min_p: float, temperature: float) -> float:
+def _min_p_margin(min_p: float, temperature: float) -> float:
     if min_p == 0.0:
         return -math.inf
     if min_p >= 1.0:
