@@ -2,6 +2,8 @@
 through ctypes (native_abi.py declares each signature).
 
     csrc/decode_attention.c   one query per request; requests on a shared run read it once
+                              (its loops in decode_task.h; the bfloat16 pool's builds in
+                              decode_attention_bf16.c, compiled in parallel)
     csrc/extend_attention.c   prefill: new tokens attend causally to their prefix and themselves
     csrc/flash_tile.h         the register-tiled flash attention loops both use
     csrc/simd.h               the vector width and helpers of the build's instruction set
@@ -100,7 +102,11 @@ def kernels_for(isa: str) -> Kernels | None:
         except (native_build.BuildError, OSError) as exc:
             log.error("%s\nPyTorch paths used instead", exc)
             return None
-    loaded = Kernels(ctypes.CDLL(str(path)), isa)
+    try:
+        loaded = Kernels(ctypes.CDLL(str(path)), isa)
+    except (OSError, AttributeError, RuntimeError) as exc:  # a library that does not load
+        log.error("the %s kernels at %s do not load (%s): PyTorch paths used", isa, path, exc)
+        return None
     log.info("native kernels: %s (%s)", isa, path)
     return loaded
 

@@ -43,6 +43,7 @@ SOURCES = [
     CSRC / name
     for name in (
         "decode_attention.c",
+        "decode_attention_bf16.c",
         "extend_attention.c",
         "rope_store.c",
         "rms_norm.c",
@@ -50,7 +51,8 @@ SOURCES = [
         "decode_step.c",
     )
 ]
-HEADERS = [CSRC / h for h in ("simd.h", "flash_tile.h", "bf16.h")]  # included by the sources
+# included by the sources
+HEADERS = [CSRC / h for h in ("simd.h", "flash_tile.h", "decode_task.h", "bf16.h")]
 COMMON_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC")
 X86 = platform.machine() in ("x86_64", "AMD64")
 

@@ -1,0 +1,400 @@
+/* The per-task loops of the decode attention kernel (decode_attention.c describes it). A header
+   so that the literal builds of run_task compile as two units in parallel: decode_attention.c
+   holds the float32 K/V builds and the entry point, decode_attention_bf16.c the bfloat16 ones
+   (one unit with all of them was most of the avx512 library's build time). */
+#ifndef RADIXLM_DECODE_TASK_H
+#define RADIXLM_DECODE_TASK_H
+
+#include <stdlib.h>
+
+#include "flash_tile.h"
+
+#define CHUNK 32 /* keys per softmax update: the chunk's K/V rows stay in L1 */
+/* Shared runs of fewer query rows than this go row by row: the tile's staging of each key block
+   pays off only over enough rows (float32, 8 requests on a 1K run, one layer: 24 rows tiled
+   0.13 ms, row by row 0.17; 4 x 2 requests, 6 rows each: tiled 0.22, row by row 0.15). With
+   AVX-512's row path (attend_rows, 8 rows a pass), bfloat16 too: decode steps sampled from
+   served gsp, 2 threads, 0.157 -> 0.149 ms per layer (float32 0.278 -> 0.263). */
+#define TILE_MIN_ROWS 16
+
+/* The K and V row addresses of keys slots[from .. from + count), for this task's head. */
+ALWAYS_INLINE void row_addresses(const KeySource *src, const int64_t *slots, int64_t from,
+                                 int64_t count, const char **k_rows, const char **v_rows)
+{
+    for (int64_t j = 0; j < count; j++) {
+        const int64_t at = slots[from + j] * src->row_bytes + src->head_offset;
+        k_rows[j] = src->k + at;
+        v_rows[j] = src->v + at;
+    }
+}
+
+ALWAYS_INLINE void prefetch_row(const char *k_row, const char *v_row, int64_t row_bytes)
+{
+    for (int64_t b = 0; b < row_bytes; b += 64) { /* one cache line at a time */
+        __builtin_prefetch(k_row + b);
+        __builtin_prefetch(v_row + b);
+    }
+}
+
+#define MAX_VECTORS (256 / VL) /* head_dim up to 256 */
+
+/* Floats d .. d+VL of a K/V row as one vector (bfloat16 widened by a shift). */
+ALWAYS_INLINE vf load_kv(const char *row, int64_t d, const int bf16)
+{
+    return bf16 ? load_bf16v((const uint16_t *)row + d) : loadv((const float *)row + d);
+}
+
+/* Online-softmax update of nb query rows (q, pre-scaled) with one chunk of keys; prefetches
+   the next chunk's rows (next_k, next_v) as it goes.
+   Row by row: the query row (scores) and the output row (P V) stay in vector registers while
+   the chunk's K and V rows, in L1 by now, stream past. */
+ALWAYS_INLINE void update_rows(const char *const *k_rows, const char *const *v_rows,
+                               int64_t count, const float *q, int64_t nb, float *acc, float *m,
+                               float *l, const int64_t D, const int bf16,
+                               const char *const *next_k, const char *const *next_v,
+                               int64_t next_count, int64_t next_bytes)
+{
+    const int64_t nv = D / VL;
+    for (int64_t i = 0; i < nb; i++) {
+        vf qv[MAX_VECTORS], a[MAX_VECTORS];
+        float s[CHUNK];
+        for (int64_t c = 0; c < nv; c++) qv[c] = loadv(q + i * D + VL * c);
+        int64_t j = 0;
+        for (; j + VL <= count; j += VL) { /* s = q K^T, VL keys summed at once (sums_of) */
+            vf dots[VL];
+            for (int t = 0; t < VL; t++) {
+                if (i == 0 && j + t < next_count) /* the next chunk's rows, one key at a time */
+                    prefetch_row(next_k[j + t], next_v[j + t], next_bytes);
+                dots[t] = qv[0] * load_kv(k_rows[j + t], 0, bf16);
+                for (int64_t c = 1; c < nv; c++)
+                    dots[t] += qv[c] * load_kv(k_rows[j + t], VL * c, bf16);
+            }
+            storev(s + j, sums_of(dots));
+        }
+        for (; j < count; j++) { /* the chunk's last keys, one at a time */
+            if (i == 0 && j < next_count)
+                prefetch_row(next_k[j], next_v[j], next_bytes);
+            vf dot = qv[0] * load_kv(k_rows[j], 0, bf16);
+            for (int64_t c = 1; c < nv; c++) dot += qv[c] * load_kv(k_rows[j], VL * c, bf16);
+            s[j] = hsum(dot);
+        }
+        float top = m[i];
+        for (int64_t j = 0; j < count; j++) top = s[j] > top ? s[j] : top;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < count; j++) {
+            s[j] = exp2f(s[j] - top);
+            sum += s[j];
+        }
+        const float alpha = exp2f(m[i] - top); /* 0 on the first chunk */
+        l[i] = l[i] * alpha + sum;
+        m[i] = top;
+        for (int64_t c = 0; c < nv; c++) { /* rescale what the earlier chunks gave */
+            a[c] = loadv(acc + i * D + VL * c) * alpha;
+        }
+        for (int64_t j = 0; j < count; j++) /* acc += p V */
+            for (int64_t c = 0; c < nv; c++) a[c] += s[j] * load_kv(v_rows[j], VL * c, bf16);
+        for (int64_t c = 0; c < nv; c++) storev(acc + i * D + VL * c, a[c]);
+    }
+}
+
+/* update_rows for a chunk of keys; bfloat16 K/V are widened once for all nb rows first (not
+   once per row: row by row, the widening cost more than the dot products). */
+ALWAYS_INLINE void update_block(const char *const *k_rows, const char *const *v_rows,
+                                int64_t count, const float *q, int64_t nb, float *acc, float *m,
+                                float *l, const int64_t D, const int bf16,
+                                const char *const *next_k, const char *const *next_v,
+                                int64_t next_count)
+{
+    const int64_t next_bytes = D * (bf16 ? 2 : 4);
+    if (!bf16 || nb == 1) {
+        update_rows(k_rows, v_rows, count, q, nb, acc, m, l, D, bf16, next_k, next_v, next_count,
+                    next_bytes);
+        return;
+    }
+    float wide[2][CHUNK * 256]; /* K, V rows as float32 */
+    const char *kw[CHUNK], *vw[CHUNK];
+    for (int64_t j = 0; j < count; j++) {
+        for (int64_t c = 0; c < D / VL; c++) {
+            storev(wide[0] + j * D + VL * c, load_kv(k_rows[j], VL * c, 1));
+            storev(wide[1] + j * D + VL * c, load_kv(v_rows[j], VL * c, 1));
+        }
+        kw[j] = (const char *)(wide[0] + j * D);
+        vw[j] = (const char *)(wide[1] + j * D);
+    }
+    update_rows(kw, vw, count, q, nb, acc, m, l, D, 0, next_k, next_v, next_count, next_bytes);
+}
+
+/* n query rows (contiguous, pre-scaled) attend to the keys slots[0 .. len): each K/V row is
+   loaded once per chunk and used by all n rows while it sits in L1.
+
+   Slots lie anywhere in the pool, so each row is a likely cache miss. The first chunk's rows are
+   requested up front, and every next chunk's rows one key at a time while the current chunk's
+   scores are computed: the misses overlap the arithmetic instead of stalling it one by one
+   (a burst of prefetches for a whole chunk was ~10% slower: it overflows the miss buffers). */
+ALWAYS_INLINE void attend_keys(const KeySource *src, const float *q, int64_t n,
+                               const int64_t *slots, int64_t len, float *acc, float *m, float *l,
+                               const int64_t D, const int bf16)
+{
+    const char *k_rows[2][CHUNK], *v_rows[2][CHUNK]; /* this chunk's and the next one's */
+    int64_t cur = 0, count = len < CHUNK ? len : CHUNK;
+    row_addresses(src, slots, 0, count, k_rows[0], v_rows[0]);
+    for (int64_t j = 0; j < count; j++)
+        prefetch_row(k_rows[0][j], v_rows[0][j], D * (bf16 ? 2 : 4));
+    for (int64_t start = 0; start < len; start += CHUNK, cur ^= 1) {
+        const int64_t next = start + CHUNK;
+        const int64_t next_count = next >= len ? 0 : (len - next < CHUNK ? len - next : CHUNK);
+        row_addresses(src, slots, next, next_count, k_rows[cur ^ 1], v_rows[cur ^ 1]);
+        update_block(k_rows[cur], v_rows[cur], count, q, n, acc, m, l, D, bf16, k_rows[cur ^ 1],
+                     v_rows[cur ^ 1], next_count);
+        count = next_count;
+    }
+}
+
+#if defined(__AVX512F__)
+/* The row path on AVX-512 (AVX2 builds keep update_block): 16 keys at a time, per query row
+     S (16 keys)   each key's dot product as a vector of 16 partial sums (bfloat16 pairs with
+                   vdpbf16ps for a bfloat16 model, else float32 FMAs), the 16 vectors summed
+                   lane-wise into one vector of 16 scores: 15 shuffle-and-adds in a tree,
+                   instead of a horizontal sum per key
+     softmax       online, on that one vector
+     acc += P V    each V row widened once for all the rows of the group; acc in registers
+   Rows go in groups of up to ROWS, a literal count each, so accumulators stay in registers (a
+   kv head's query heads: 3 for the default model; a shared run of 2 requests: 6). About 2x
+   faster than update_block on K/V in cache (8 requests x 700 keys, 2 threads: 4.9 against 9.4
+   ns per key and kv head); from memory (30 layers' pools) 0.21 -> 0.17 ms per layer, where
+   the memory becomes the limit. */
+#define ROWS 8
+
+/* The tree's lane order: lane 4q + r holds key q + 4r, so key j lands in lane LANE_KEYS[j] and
+   lane L holds key LANE_KEYS[L] (the permutation is its own inverse). */
+static const int32_t LANE_KEYS[16] __attribute__((aligned(64))) = {0, 4, 8,  12, 1, 5, 9,  13,
+                                                                    2, 6, 10, 14, 3, 7, 11, 15};
+
+ALWAYS_INLINE vf widen16(const char *row, int64_t d, const int bf16)
+{
+    if (!bf16) return loadv((const float *)row + d);
+    const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * d)));
+    return (vf)_mm512_slli_epi32(x, 16);
+}
+
+/* K or V rows for the keys past the end of a short chunk: zeros (their scores are masked) */
+static const float ZERO_ROW[256] __attribute__((aligned(64)));
+
+/* One key's dot product with a query row as 16 partial sums. */
+ALWAYS_INLINE vf key_dot(const char *k_row, const float *q, const void *qp, const int64_t D,
+                          const int bf16, const int dots)
+{
+    vf dot = (vf){0};
+#if HAS_BF16_DOTS
+    if (dots) {
+        const pair_t *k2 = (const pair_t *)k_row, *q2 = (const pair_t *)qp;
+        int64_t c = 0; /* in pairs */
+        for (; c + 16 <= D / 2; c += 16)
+            dot = (vf)_mm512_dpbf16_ps((__m512)dot, (__m512bh)_mm512_loadu_si512(k2 + c),
+                                        (__m512bh)_mm512_loadu_si512(q2 + c));
+        if (c < D / 2) { /* D = 16 (mod 32): the last 8 pairs, zero-extended */
+            const __m512i kh = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(k2 + c)));
+            const __m512i qh = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(q2 + c)));
+            dot = (vf)_mm512_dpbf16_ps((__m512)dot, (__m512bh)kh, (__m512bh)qh);
+        }
+        return dot;
+    }
+#endif
+    for (int64_t c = 0; c < D / 16; c++) dot += loadv(q + 16 * c) * widen16(k_row, 16 * c, bf16);
+    return dot;
+}
+
+/* nr (a literal, <= ROWS) query rows (qs pre-scaled float32; qp their bfloat16 pairs, unscaled,
+   for dots) attend to one chunk of 16 keys, k_rows / v_rows (the first `count` real, the rest
+   ZERO_ROW). */
+ALWAYS_INLINE void rows_chunk(const char *const *k_rows, const char *const *v_rows, int64_t count,
+                              const float *qs, const void *qp, float scale, const int nr,
+                              float *acc, float *m, float *l, const int64_t D, const int bf16,
+                              const int dots)
+{
+    const int64_t nv = D / 16;
+    vi key_of_lane;
+    memcpy(&key_of_lane, LANE_KEYS, sizeof key_of_lane);
+    float p[ROWS][16];
+    float alpha[ROWS];
+    vf s[ROWS];
+    for (int i = 0; i < nr; i++) { /* the scores of every row first: their chains overlap */
+        const float *q = qs + i * D;
+        const void *q2 = dots ? (const char *)qp + i * D * 2 : NULL;
+        __m512 y[8];
+        for (int j = 0; j < 8; j++) { /* the tree's first level as the dots come: 256-bit halves */
+            const __m512 a = (__m512)key_dot(k_rows[2 * j], q, q2, D, bf16, dots);
+            const __m512 b = (__m512)key_dot(k_rows[2 * j + 1], q, q2, D, bf16, dots);
+            y[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+        }
+        __m512 z[4], w[2];
+        for (int j = 0; j < 4; j++) /* 128-bit quarters, one key each */
+            z[j] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * j], y[2 * j + 1], 0x88),
+                                 _mm512_shuffle_f32x4(y[2 * j], y[2 * j + 1], 0xDD));
+        for (int j = 0; j < 2; j++) /* 64-bit pairs, two keys per quarter */
+            w[j] = _mm512_add_ps(
+                (__m512)_mm512_unpacklo_pd((__m512d)z[2 * j], (__m512d)z[2 * j + 1]),
+                (__m512)_mm512_unpackhi_pd((__m512d)z[2 * j], (__m512d)z[2 * j + 1]));
+        s[i] = (vf)_mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88),
+                                  _mm512_shuffle_ps(w[0], w[1], 0xDD));
+        if (dots) s[i] *= scale;
+        if (count < 16) s[i] = where_below(key_of_lane, (int32_t)count, s[i], splat(NO_SCORE));
+    }
+    int moved = 0;
+    for (int i = 0; i < nr; i++) { /* lazy rescaling, as in flash_tile.h's softmax_rows */
+        alpha[i] = 1.0f;
+        if (!any_above(s[i], m[i] + RESCALE_AT)) continue;
+        const float top = hmax(s[i]); /* > m[i] + RESCALE_AT */
+        alpha[i] = exp2_1(m[i] - top);
+        l[i] *= alpha[i];
+        m[i] = top;
+        moved = 1;
+    }
+    for (int i = 0; i < nr; i++) {
+        vf e = exp2v(s[i] - m[i]);
+        if (count < 16) e = where_below(key_of_lane, (int32_t)count, e, (vf){0});
+        l[i] += hsum(e);
+        storev(p[i], e);
+    }
+    vf a[ROWS][MAX_VECTORS];
+    for (int i = 0; i < nr; i++)
+        for (int64_t c = 0; c < nv; c++)
+            a[i][c] = moved ? loadv(acc + i * D + 16 * c) * alpha[i] : loadv(acc + i * D + 16 * c);
+    for (int j = 0; j < 16; j++) {
+        const int lane = LANE_KEYS[j];
+        for (int64_t c = 0; c < nv; c++) {
+            const vf vv = widen16(v_rows[j], 16 * c, bf16);
+            for (int i = 0; i < nr; i++) a[i][c] += p[i][lane] * vv;
+        }
+    }
+    for (int i = 0; i < nr; i++)
+        for (int64_t c = 0; c < nv; c++) storev(acc + i * D + 16 * c, a[i][c]);
+}
+
+/* n query rows attend to keys slots[0 .. len), 16 keys per chunk, ROWS rows at a time; the
+   next chunk's rows are prefetched while this one is computed. */
+ALWAYS_INLINE void attend_rows(const KeySource *src, const float *qs, const void *qp, float scale,
+                               int64_t n, const int64_t *slots, int64_t len, float *acc, float *m,
+                               float *l, const int64_t D, const int bf16, const int dots)
+{
+    const int64_t row_bytes = D * (bf16 ? 2 : 4);
+    const char *k_rows[16], *v_rows[16];
+    for (int64_t key0 = 0; key0 < len; key0 += 16) {
+        const int64_t count = len - key0 < 16 ? len - key0 : 16;
+        row_addresses(src, slots, key0, count, k_rows, v_rows);
+        for (int64_t j = count; j < 16; j++) k_rows[j] = v_rows[j] = (const char *)ZERO_ROW;
+        const int64_t next = key0 + 16, next_count = len - next < 16 ? len - next : 16;
+        for (int64_t j = 0; j < next_count; j++) {
+            const int64_t at = slots[next + j] * src->row_bytes + src->head_offset;
+            prefetch_row(src->k + at, src->v + at, row_bytes);
+        }
+        for (int64_t r = 0; r < n; r += ROWS) {
+            const float *q = qs + r * D;
+            const void *q2 = dots ? (const char *)qp + r * D * 2 : NULL;
+            float *a = acc + r * D, *mr = m + r, *lr = l + r;
+            switch (n - r < ROWS ? n - r : ROWS) { /* literal row counts: registers, unrolled */
+            case 1: rows_chunk(k_rows, v_rows, count, q, q2, scale, 1, a, mr, lr, D, bf16, dots); break;
+            case 2: rows_chunk(k_rows, v_rows, count, q, q2, scale, 2, a, mr, lr, D, bf16, dots); break;
+            case 3: rows_chunk(k_rows, v_rows, count, q, q2, scale, 3, a, mr, lr, D, bf16, dots); break;
+            case 4: rows_chunk(k_rows, v_rows, count, q, q2, scale, 4, a, mr, lr, D, bf16, dots); break;
+            case 5: rows_chunk(k_rows, v_rows, count, q, q2, scale, 5, a, mr, lr, D, bf16, dots); break;
+            case 6: rows_chunk(k_rows, v_rows, count, q, q2, scale, 6, a, mr, lr, D, bf16, dots); break;
+            case 7: rows_chunk(k_rows, v_rows, count, q, q2, scale, 7, a, mr, lr, D, bf16, dots); break;
+            default: rows_chunk(k_rows, v_rows, count, q, q2, scale, 8, a, mr, lr, D, bf16, dots); break;
+            }
+        }
+    }
+}
+#endif
+
+/* The row path: AVX-512's attend_rows where the head size is a literal (the common ones; the
+   other sizes take update_block: a dozen more copies of attend_rows doubled the build time),
+   update_block elsewhere. */
+#if defined(__AVX512F__)
+#define ATTEND_ROWS(src, qs, qp, scale, n, slots, len, acc, m, l, D, bf16, dots, wide)           \
+    do {                                                                                         \
+        if (wide) attend_rows(src, qs, qp, scale, n, slots, len, acc, m, l, D, bf16, dots);      \
+        else attend_keys(src, qs, n, slots, len, acc, m, l, D, bf16);                            \
+    } while (0)
+#else
+#define ATTEND_ROWS(src, qs, qp, scale, n, slots, len, acc, m, l, D, bf16, dots, wide)           \
+    attend_keys(src, qs, n, slots, len, acc, m, l, D, bf16)
+#endif
+
+typedef struct {
+    const float *q;
+    float *out;
+    int64_t num_heads, group; /* group: query heads per kv head */
+    float scale;
+    const int64_t *units, *shared, *own, *member_row, *slots;
+} Batch;
+
+/* One task: kv head `head` of unit u; dots: bfloat16 dot products on the shared run (and on the
+   row path where `wide`: D is a literal). */
+ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int64_t head,
+                            const int64_t D, const int bf16, const int dots, const int wide)
+{
+    const int64_t first = b->units[u], num_members = b->units[u + 1] - first;
+    const int64_t *run = b->shared + 2 * u;
+    const int64_t group = b->group, n = num_members * group;
+    const int64_t rows = run[1] > 0 ? (n + R - 1) / R * R : n; /* the tile's rows: whole groups */
+    const int64_t tile_words = run[1] > 0 ? rows * D / 2 + 2 * KB * D : (dots ? rows * D / 2 : 0);
+    /* Scratch (4-byte words): qs (rows, D) pre-scaled, acc (rows, D), m, l (rows); for the
+       shared run's tile: qp (rows, D/2) bfloat16 pairs, kt, vb (KB, D); limit (rows) int64. */
+    float *qs = calloc((size_t)(rows * (2 * D + 2) + tile_words), sizeof(float));
+    int64_t *limit = malloc((size_t)rows * sizeof(int64_t));
+    if (qs == NULL || limit == NULL) abort(); /* a few KB; nothing sensible to do without it */
+    float *acc = qs + rows * D, *m = acc + rows * D, *l = m + rows;
+    /* the tile's scratch exists only for a unit with a shared run */
+    float *qp = tile_words ? l + rows : NULL, *kt = run[1] > 0 ? qp + rows * D / 2 : NULL;
+    float *vb = run[1] > 0 ? kt + KB * D : NULL;
+    for (int64_t i = 0; i < rows; i++) {
+        m[i] = NO_SCORE;
+        limit[i] = i < n ? run[1] - 1 : -1; /* the whole run; padding rows see nothing */
+        if (i >= n) continue;
+        const int64_t row = b->member_row[first + i / group];
+        const float *qi = b->q + (row * b->num_heads + head * group + i % group) * D;
+        for (int64_t d = 0; d < D; d++) qs[i * D + d] = qi[d] * b->scale;
+#if HAS_BF16_DOTS
+        if (dots) /* bfloat16 pairs: the tile's and the row path's queries */
+            for (int64_t d = 0; d < D / 2; d++)
+                ((pair_t *)qp)[i * (D / 2) + d] = bf16_bits(qi[2 * d]) | bf16_bits(qi[2 * d + 1])
+                                                                              << 16;
+#endif
+    }
+    if (run[1] > 0) {
+        const Tile tile = {rows, limit, acc, m, l};
+        const int64_t *slots = b->slots + run[0];
+        if (n >= TILE_MIN_ROWS) {
+#if HAS_BF16_DOTS
+            if (dots)
+                tile_attend_bf16(&tile, (const pair_t *)qp, b->scale, src, slots, run[1],
+                                 (pair_t *)kt, (pair_t *)vb, D);
+            else
+#endif
+                tile_attend(&tile, qs, src, slots, run[1], kt, vb, D, bf16);
+        } else { /* few rows: row by row, each K/V row still loaded once for all */
+            ATTEND_ROWS(src, qs, qp, b->scale, n, slots, run[1], acc, m, l, D, bf16, dots, wide);
+        }
+    }
+    for (int64_t r = 0; r < num_members; r++) {
+        const int64_t *mine = b->own + 2 * (first + r), at = r * group;
+        ATTEND_ROWS(src, qs + at * D, dots ? (const char *)qp + at * D * 2 : NULL, b->scale, group,
+                    b->slots + mine[0], mine[1], acc + at * D, m + at, l + at, D, bf16, dots, wide);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t row = b->member_row[first + i / group];
+        float *o = b->out + (row * b->num_heads + head * group + i % group) * D;
+        const float inv = 1.0f / l[i];
+        for (int64_t d = 0; d < D; d++) o[d] = acc[i * D + d] * inv;
+    }
+    free(limit);
+    free(qs);
+}
+
+/* One task of a bfloat16 pool (kv_mode 1 or 2): decode_attention_bf16.c. */
+void decode_task_bf16(const Batch *b, const KeySource *src, int64_t u, int64_t head, int64_t D,
+                      int kv_mode);
+
+#endif /* RADIXLM_DECODE_TASK_H */
