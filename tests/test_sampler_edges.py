@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from fractions import Fraction
 
 import pytest
@@ -20,6 +20,7 @@ from radixlm.engine.sampler import (
     Sampler,
     SamplingFailure,
     SamplingState,
+    apply_logit_bias,
     apply_penalties,
 )
 from radixlm.request import SamplingParams
@@ -62,7 +63,7 @@ def test_an_extreme_repetition_penalty_keeps_the_exact_order(
     assert bool(torch.isfinite(ours).all())
     for row in range(3):
         exact = exact_penalised(logits[row], params, prompt, [])
-        assert_same_order(ours[row], exact)
+        assert_same_order(ours[row], dict(enumerate(exact)))
     if temperature < 1e-37:  # the greedy limit: the exact maximum (logits here have no ties)
         out = Sampler(seed=2).sample(logits, states)
         for row, token in enumerate(out.token_ids):
@@ -82,6 +83,15 @@ def test_a_huge_penalised_logit_does_not_blur_the_others_ranks() -> None:
     out = Sampler(seed=4).sample(logits.expand(400, 38), states)
     assert set(out.token_ids) <= {25, 26, 27, 28, 29, 30, 31, 35}  # the top 8 (two tied at 0.01)
     assert len(set(out.token_ids)) == 8  # a huge temperature: near uniform over them
+
+
+def test_a_logit_bias_beyond_float32_neither_fails_nor_flips() -> None:
+    logits = wide_logits(2, 50, seed=5)
+    params = SamplingParams(temperature=1.0, logit_bias={3: 1e300, 4: -1e300, 5: 3e38})
+    out = Sampler(seed=5).sample_each(logits, [SamplingState(params) for _ in range(2)])
+    assert all(isinstance(o, SampledToken) for o in out)  # an inf bias failed the row before
+    # both biases stop at float32's largest value: a tie, never a lower token above them
+    assert {o.token_id for o in out if isinstance(o, SampledToken)} <= {3, 5}
 
 
 def test_non_finite_logits_fail_their_row_alone() -> None:
@@ -132,6 +142,9 @@ def sampling_params(subnormal: bool) -> st.SearchStrategy[SamplingParams]:
         frequency_penalty=floats(-2.0, 2.0),
         seed=st.one_of(st.none(), st.integers(0, 2**63 - 1)),
         logprobs=st.one_of(st.none(), st.integers(0, 20)),
+        # the server's range (it clamps to +-100); beyond float32 see the test above
+        logit_bias=st.dictionaries(st.integers(0, 45), floats(-100.0, 100.0), max_size=6),
+        min_tokens=st.integers(0, 16),
     )
 
 
@@ -146,7 +159,13 @@ def batches(draw: st.DrawFn, subnormal: bool) -> tuple[torch.Tensor, list[Sampli
     ids = st.lists(st.integers(0, vocab - 1), max_size=12)
     params = sampling_params(subnormal)
     states = [
-        SamplingState(draw(params), prompt_ids=draw(ids), output_ids=draw(ids)) for _ in range(rows)
+        SamplingState(
+            draw(params),
+            prompt_ids=draw(ids),
+            output_ids=draw(ids),
+            stop_ids=frozenset(draw(ids)),  # what min_tokens bans
+        )
+        for _ in range(rows)
     ]
     return logits, states
 
@@ -178,19 +197,23 @@ def test_every_accepted_parameter_gives_a_valid_token_and_the_greedy_limits(
     batch = data.draw(batches(subnormal=not flush_subnormals))
     logits, states = batch
     vocab = logits.shape[1]
-    ours = apply_penalties(logits, states)
-    assert bool(torch.isfinite(ours).all())
+    ours = apply_logit_bias(apply_penalties(logits, states), states)
     outcomes = Sampler(seed=0).sample_each(logits, states)
     raw = torch.log_softmax(logits.double(), dim=-1)
     for row, (state, outcome) in enumerate(zip(states, outcomes)):
+        params = state.params
+        exact = exact_scores(logits[row], state)  # the tokens min_tokens does not ban
+        if not exact:  # min_tokens banned the whole (tiny) vocabulary: this row fails alone
+            assert isinstance(outcome, SamplingFailure)
+            continue
         assert isinstance(outcome, SampledToken), outcome
-        token, params = outcome.token_id, state.params
-        assert 0 <= token < vocab
-        exact = exact_penalised(logits[row], params, state.prompt_ids, state.output_ids)
+        token = outcome.token_id
+        assert token in exact
+        assert all(math.isfinite(float(ours[row, t])) for t in exact)
         assert_same_order(ours[row], exact)
         # top_k: fewer than k tokens are clearly more likely than the chosen one
         if params.top_k is not None:
-            assert sum(clearly_above(e, exact[token]) for e in exact) < params.top_k
+            assert sum(clearly_above(e, exact[token]) for e in exact.values()) < params.top_k
         at_the_limit = (
             params.temperature <= TINY_TEMPERATURE
             or params.top_p <= TINY_TOP_P
@@ -198,7 +221,7 @@ def test_every_accepted_parameter_gives_a_valid_token_and_the_greedy_limits(
             or params.min_p == 1.0
         )
         if at_the_limit:  # the greedy choice (or one tied with it)
-            assert not any(clearly_above(e, exact[token]) for e in exact)
+            assert not any(clearly_above(e, exact[token]) for e in exact.values())
         if params.logprobs is not None:
             assert outcome.logprobs is not None
             assert math.isfinite(outcome.logprobs.logprob)
@@ -209,7 +232,7 @@ def test_every_accepted_parameter_gives_a_valid_token_and_the_greedy_limits(
 
 # ---- an exact reference --------------------------------------------------------------------
 def exact_penalised(
-    logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]
+    logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int], output: Sequence[int]
 ) -> list[Fraction]:
     """The penalised logits of one row in exact rational arithmetic (no clamping, no rounding)."""
     seen = set(prompt) | set(output)
@@ -222,11 +245,22 @@ def exact_penalised(
                 x = Fraction(0) if x > 0 else (x * 10**400 if x < 0 else x)  # x * inf, as a limit
             else:
                 x = x / Fraction(p) if x > 0 else x * Fraction(p)
-        count = output.count(token)
+        count = list(output).count(token)
         if count:
             x -= Fraction(params.frequency_penalty) * count + Fraction(params.presence_penalty)
         scores.append(x)
     return scores
+
+
+def exact_scores(logits: torch.Tensor, state: SamplingState) -> dict[int, Fraction]:
+    """Penalties, then logit_bias, exactly; the tokens min_tokens bans are left out."""
+    params = state.params
+    scores = exact_penalised(logits, params, state.prompt_ids, state.output_ids)
+    for token, bias in params.logit_bias:
+        if token < len(scores):
+            scores[token] += Fraction(bias)
+    banned = state.stop_ids if len(state.output_ids) < params.min_tokens else frozenset()
+    return {t: x for t, x in enumerate(scores) if t not in banned}
 
 
 def clearly_above(a: Fraction, b: Fraction) -> bool:
@@ -234,10 +268,10 @@ def clearly_above(a: Fraction, b: Fraction) -> bool:
     return a - b > Fraction(1, 10**5) * max(1, abs(a), abs(b))
 
 
-def assert_same_order(ours: torch.Tensor, exact: list[Fraction]) -> None:
+def assert_same_order(ours: torch.Tensor, exact: dict[int, Fraction]) -> None:
     """Wherever the exact scores differ clearly, ours order the two tokens the same way."""
     values = ours.tolist()
-    for i, a in enumerate(exact):
-        for j, b in enumerate(exact):
+    for i, a in exact.items():
+        for j, b in exact.items():
             if clearly_above(a, b):
                 assert values[i] > values[j], (i, j, values[i], values[j], float(a), float(b))

@@ -325,6 +325,9 @@ def apply_logit_bias(logits: torch.Tensor, states: Sequence[SamplingState]) -> t
     logits = logits.clone()
     index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
     logits.index_put_(index, torch.tensor(values, device=logits.device), accumulate=True)
+    # A bias beyond float32 (SamplingParams accepts any finite one) must not make a row's top
+    # +inf, which fails the row: it stops at float32's largest. Bans stay -inf.
+    logits[index] = logits[index].clamp_(max=FLOAT32.max)
     return logits
 
 
