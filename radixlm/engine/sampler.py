@@ -2,10 +2,11 @@
 
 Pipeline for a batch of R rows (every stage touches only the rows that need it):
 
-    raw logits ─► penalties ─► greedy rows: argmax
-                               sampled rows: top_k ─► top_p ─► min_p (on the scores)
-                                             ─► exp((scores - row max) / temperature)
-                                             ─► inverse-CDF draw with the row's own uniform
+    raw logits ─► penalties, logit_bias, min_tokens bans ─► grammar masks ─► scores
+    scores ─► greedy rows: argmax
+              sampled rows: top_k ─► top_p ─► min_p (on the scores)
+                            ─► exp((scores - row max) / temperature)
+                            ─► inverse-CDF draw with the row's own uniform
 
 Reproducibility: each sampled row consumes exactly one uniform number per step, drawn from its
 request's own `random.Random` (seeded from `SamplingParams.seed`) or, for unseeded requests, from
@@ -15,9 +16,9 @@ its batch, and on any device (the uniforms are drawn on the host).
 Failure isolation: `sample_each` gives every row its own outcome, a token or the error that
 row raised, so one request's bad state or bad logits never cost the other rows their token.
 
-Numerical safety for every accepted parameter value is the business of `sampling_ops` (the
-filters) and `apply_penalties` (clamped penalties); rows whose logits have no finite maximum
-(NaN or inf from the model) raise `NonFiniteLogitsError`.
+Numerical safety for every accepted parameter value is the business of `logit_adjust` (clamped
+penalties and biases) and `sampling_ops` (the filters); rows whose scores have no finite
+maximum (NaN or inf from the model, or every token banned) raise `NonFiniteLogitsError`.
 
 The sampler keeps no per-request state of its own and never modifies the logits it is given.
 """
@@ -32,8 +33,8 @@ from typing import NamedTuple
 import torch
 
 from radixlm.agents.grammar import GrammarError, GrammarMatcher, apply_token_masks
+from radixlm.engine.logit_adjust import apply_logit_bias, apply_penalties
 from radixlm.engine.sampling_ops import (
-    FLOAT32,
     inverse_cdf,
     keep_min_p,
     keep_top_k,
@@ -41,12 +42,6 @@ from radixlm.engine.sampling_ops import (
     weights,
 )
 from radixlm.request import SamplingParams
-
-# A repetition penalty further from 1 than these orders tokens no differently for logits of
-# magnitude 1e-4 .. 1e4 (seen positive logits stay above every unseen one, seen negative ones
-# between 0 and every unseen negative one), while beyond them x / p and x * p leave float32.
-MIN_REPETITION_PENALTY = 1e-30
-MAX_REPETITION_PENALTY = 1e30
 
 
 @dataclass
@@ -230,114 +225,9 @@ class Sampler:
         return inverse_cdf(probs, torch.tensor(list(uniforms), device=scores.device))
 
 
-def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-    """Return logits with each row's penalties applied (the input itself when there are none).
-
-    repetition (HF/CTRL): a logit of a token seen in prompt or output is divided by the penalty
-    when positive, multiplied by it when negative; the penalty is clamped to
-    [MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY] and the result to float32's range, so
-    finite logits stay finite and keep their order. presence/frequency (OpenAI):
-    logit -= frequency * count + presence * (count > 0), counting the output only.
-    """
-    rep_rows = [i for i, s in enumerate(states) if s.params.repetition_penalty != 1.0]
-    freq_rows = [
-        i
-        for i, s in enumerate(states)
-        if (s.params.presence_penalty or s.params.frequency_penalty) and s.output_ids
-    ]
-    if not rep_rows and not freq_rows:
-        return logits
-    logits = logits.clone()
-    flat = logits.view(-1)  # (R * V,): token t of row r at r * V + t
-    num_rows, vocab_size, device = logits.shape[0], logits.shape[1], logits.device
-    # Only the tokens a row has seen change: update those (a few hundred per row), not (R, V).
-    if rep_rows:
-        seqs = [
-            torch.cat([states[i].prompt_tensor(), _ids(states[i].output_ids)]) for i in rep_rows
-        ]
-        seen = _positions(seqs, rep_rows, vocab_size)
-        penalties = [_clamped_penalty(states[i].params) for i in rep_rows]
-        penalty = _by_row(rep_rows, penalties, num_rows)[seen.row].to(device)
-        index = seen.flat_index.to(device)
-        x = flat[index]
-        x = torch.where(x > 0, x / penalty, x * penalty)
-        flat[index] = x.clamp_(FLOAT32.min, FLOAT32.max)
-    if freq_rows:
-        out = _positions([_ids(states[i].output_ids) for i in freq_rows], freq_rows, vocab_size)
-        params = [states[i].params for i in freq_rows]
-        frequency = _by_row(freq_rows, [p.frequency_penalty for p in params], num_rows)[out.row]
-        presence = _by_row(freq_rows, [p.presence_penalty for p in params], num_rows)[out.row]
-        shift = frequency * out.occurrences + presence
-        flat[out.flat_index.to(device)] -= shift.to(device)
-    return logits
-
-
-class _Positions(NamedTuple):
-    """The distinct tokens of some rows' sequences, as positions in the flattened (R, V)."""
-
-    flat_index: torch.Tensor  # (N,) row * V + token, ascending
-    row: torch.Tensor  # (N,) the row of each
-    occurrences: torch.Tensor  # (N,) float32: how often the token is in its row's sequence
-
-
-def _positions(seqs: Sequence[torch.Tensor], rows: Sequence[int], vocab_size: int) -> _Positions:
-    flat = torch.cat([seq + row * vocab_size for seq, row in zip(seqs, rows, strict=True)])
-    index, count = torch.unique(flat, return_counts=True)
-    return _Positions(index, index // vocab_size, count.float())
-
-
-def _by_row(rows: Sequence[int], values: Sequence[float], num_rows: int) -> torch.Tensor:
-    """(num_rows,) float32 on the host: values[i] at rows[i], 0 elsewhere."""
-    result = torch.zeros(num_rows)
-    result[torch.tensor(rows, dtype=torch.long)] = torch.tensor(values, dtype=torch.float32)
-    return result
-
-
-def _clamped_penalty(params: SamplingParams) -> float:
-    return min(max(params.repetition_penalty, MIN_REPETITION_PENALTY), MAX_REPETITION_PENALTY)
-
-
-def apply_logit_bias(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-    """Return logits with each row's logit_bias added and, while a row has fewer outputs than
-    its min_tokens, its stop ids at -inf (the input itself when no row has either).
-
-    A complete grammar allows only an end-of-sequence id: min_tokens then bans nothing, or the
-    row would have no token left.
-    """
-    rows: list[int] = []
-    cols: list[int] = []
-    values: list[float] = []
-    vocab_size = logits.shape[1]
-    for i, s in enumerate(states):
-        for token, bias in s.params.logit_bias:
-            if token < vocab_size:
-                rows.append(i)
-                cols.append(token)
-                values.append(bias)
-        finished = s.matcher is not None and s.matcher.is_finished
-        if len(s.output_ids) < s.params.min_tokens and not finished:
-            banned = [t for t in s.stop_ids if t < vocab_size]
-            rows += [i] * len(banned)
-            cols += banned
-            values += [float("-inf")] * len(banned)
-    if not rows:
-        return logits
-    logits = logits.clone()
-    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
-    logits.index_put_(index, torch.tensor(values, device=logits.device), accumulate=True)
-    # A bias beyond float32 (SamplingParams accepts any finite one) must not make a row's top
-    # +inf, which fails the row: it stops at float32's largest. Bans stay -inf.
-    logits[index] = logits[index].clamp_(max=FLOAT32.max)
-    return logits
-
-
 def _check_shape(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
     if logits.dim() != 2 or logits.shape[0] != len(states):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} states")
-
-
-def _ids(token_ids: Sequence[int]) -> torch.Tensor:
-    return torch.as_tensor(list(token_ids), dtype=torch.long)
 
 
 def _logprobs(
