@@ -199,7 +199,8 @@ def targets(runs: dict[str, Any]) -> dict[str, Any]:
         "group_affinity_at_least_95": (ca["min_group_affinity"] or 0) >= 0.95,
         "worker_share": ca["worker_share"],
         "each_replica_30_to_70": len(shares) == 2 and all(0.3 <= s <= 0.7 for s in shares),
-        "non_2xx": {k: runs[k]["summary"]["num_errors"] for k in runs},
+        "non_2xx": {k: sum(r["status"] != 200 for r in runs[k]["requests"]) for k in runs},
+        "errors": {k: runs[k]["summary"]["num_errors"] for k in runs},  # stream errors too
         "streams_usage_then_done": {
             k: f"{runs[k]['summary']['num_streams_usage_then_done']}/"
             f"{runs[k]['summary']['num_streams']}" for k in runs
