@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 from engine_helpers import GREEDY, assert_idle, make_engine, outputs, run, save_engine_model
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from radixlm.detokenizer import OutputStream, TextDelta
@@ -120,6 +120,7 @@ def fault_lists() -> st.SearchStrategy[list[Fault]]:
     max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(faults=fault_lists(), chunk=st.sampled_from([8, 512]))
+@example(faults=[Fault(1, 1, "sampling", MAX_TOKENS - 1)], chunk=8)  # the leader ends first
 def test_a_fault_in_one_request_fails_it_alone(
     model_dir: Path, reference: dict[int, list[list[int]]], faults: list[Fault], chunk: int
 ) -> None:
@@ -134,13 +135,18 @@ def test_a_fault_in_one_request_fails_it_alone(
                 assert req.output_ids == tokens
                 assert req.finish_reason == "length" and req.error is None
                 continue
-            # every sample of a faulty request fails, the faulty one at its `fail_at`
+            if req.index == faulty[i].sample:  # fails at its `fail_at`
+                assert req.finish_reason == "error"
+                assert len(req.output_ids) == faulty[i].fail_at
+            elif req.finish_reason == "length":  # a sibling that finished first, untouched
+                assert req.output_ids == tokens and req.error is None
+                continue
+            # every unfinished sample of a faulty request fails with it
             assert req.finish_reason == "error"
             assert req.error is not None and faulty[i].stage in req.error
-            if req.index == faulty[i].sample:
-                assert len(req.output_ids) == faulty[i].fail_at
     failed = sorted(d.request_id for d in deltas if d.finish_reason == "error")
-    assert failed == sorted(r.rid for i in faulty for r in samples[i])
+    expected_failed = [r.rid for i in faulty for r in samples[i] if r.finish_reason == "error"]
+    assert failed == sorted(expected_failed)
     assert engine.stats.aborted_requests == len(faults)
     # the engine goes on serving: a new batch gives the reference tokens
     assert outputs(run(engine, [prompts()[0]], PARAMS[0])) == [reference[chunk][0]]
