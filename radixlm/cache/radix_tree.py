@@ -21,6 +21,8 @@ first differing token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from radixlm.cache.eviction import EvictionOrder, EvictionPolicy, make_policy
@@ -64,6 +66,9 @@ class RadixTree:
         self.num_nodes = 0
         self._num_queries = self._queried_tokens = self._hit_tokens = 0
         self._inserted_tokens = self._evicted_tokens = self._num_splits = 0
+        # Called with each node just before it is evicted (the observatory's record); None by
+        # default, so eviction pays one attribute test per node and nothing more.
+        self.eviction_listener: Callable[[TreeNode], None] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -192,11 +197,13 @@ class RadixTree:
         """
         freed: list[np.ndarray] = []
         num_freed = 0
-        order, page_b = self._order, self._page_bytes
+        order, page_b, listener = self._order, self._page_bytes, self.eviction_listener
         while num_freed < num_tokens and order.num_members:
             node = order.pop()
             parent = node.parent
             assert parent is not None  # roots are never members
+            if listener is not None:
+                listener(node)
             del parent.children[node.key[:page_b]]
             size = len(node.value)
             num_freed += size
