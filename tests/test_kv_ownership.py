@@ -1,5 +1,6 @@
 """The Scheduler is the one writer of a request's KV state (issue 14): `node`, `slots`,
-`cached_len` and `num_computed` change only inside radixlm/engine/scheduler.py, through every
+`cached_len`, `num_computed` (and `forks`, the samples that will start on its prompt) change
+only inside radixlm/engine/scheduler.py, through every
 path a request can take (chunked prefill, n > 1 forks, pages, retraction, abort, a failed
 request, a failed forward pass), and each path ends with the slot account at idle."""
 
@@ -17,7 +18,7 @@ from engine_helpers import assert_idle, make_engine, outputs, run, save_engine_m
 from radixlm.engine.engine import Engine
 from radixlm.request import Request, SamplingParams
 
-KV_FIELDS = {"node", "slots", "cached_len", "num_computed"}
+KV_FIELDS = {"node", "slots", "cached_len", "num_computed", "forks"}  # forks: who waits on it
 
 
 @pytest.fixture(scope="module")

@@ -108,13 +108,7 @@ class Engine:
                 req.params, req.prompt_ids, req.output_ids, req.index, self._stop_ids(params)
             )
             req.text = OutputStream(self.tokenizer, req.params)
-        leader = samples[0]
-        if self.cache.shares_prefixes:
-            leader.forks = samples[1:]  # they start from the leader's prompt KV and logits
-            self.scheduler.add(leader)
-        else:
-            for req in samples:
-                self.scheduler.add(req)
+        self.scheduler.add(samples)
         self._requests[rid] = samples
         return rid
 
@@ -134,10 +128,7 @@ class Engine:
         for req in samples:
             if req.finished:
                 continue
-            if req in samples[0].forks:  # a fork still waiting for the leader's prompt
-                samples[0].forks.remove(req)
-            else:
-                self.scheduler.remove(req)
+            self.scheduler.remove(req)
             req.error = error
             deltas.append(self._finish(req, reason))
         self.stats.aborted_requests += 1

@@ -86,19 +86,29 @@ class Scheduler:
         self.num_retractions = 0
 
     # ---- queues ---------------------------------------------------------------------------
-    def add(self, req: Request) -> None:
-        """Queue a request. The caller has checked that it fits the pool and the context."""
-        self._enqueue(req)
-        self.waiting.append(req)
+    def add(self, samples: Sequence[Request]) -> None:
+        """Queue the samples of one request (n of them). The caller has checked that they fit
+        the pool and the context. With a cache that shares prefixes the first prefills alone and
+        the others fork from it: `postprocess` starts them on its committed prompt and samples
+        them from its logits row."""
+        if self.cache.shares_prefixes:
+            samples[0].forks = list(samples[1:])
+            samples = samples[:1]
+        for req in samples:
+            self._enqueue(req)
+            self.waiting.append(req)
 
     def remove(self, req: Request) -> None:
         """Take a request out of the queues, returning or handing over all its slots.
 
         Computed KV of a running request is committed to the tree (a retry will hit it); the rest
-        is freed. Mutates the cache; the request holds no lock and no slot afterwards.
+        is freed. Mutates the cache; the request holds no lock and no slot afterwards. A fork
+        still waiting for its leader's prompt holds nothing and is in no queue: the caller
+        finishes it, and a finished fork is never started.
         """
         if req.state is RequestState.WAITING:
-            self.waiting.remove(req)
+            if req in self.waiting:
+                self.waiting.remove(req)
         elif req.state is RequestState.RUNNING:
             self.running.remove(req)
             self._drop_kv(req)
@@ -257,12 +267,13 @@ class Scheduler:
 
     def _start_forks(self, leader: Request) -> list[Request]:
         """Forks of an n > 1 request share the leader's prompt KV (via the tree) and logits."""
-        forks, leader.forks = leader.forks, []
+        forks, leader.forks = [f for f in leader.forks if not f.finished], []
         started = []
         for fork in forks:
             match = self.cache.match(fork.all_ids, fork.namespace)
             if match.length < fork.seq_len:  # the tree could not take the whole prompt (pages)
-                self.add(fork)
+                self._enqueue(fork)
+                self.waiting.append(fork)
                 continue
             self.cache.lock(match.node)
             self._start(fork, match.node, match.slots, match.length)
