@@ -1,0 +1,148 @@
+"""Which part of a chat prompt a character is in: the system prompt, the tools, message i's
+content or header, or the generation prompt.
+
+The same idea as `Tokenizer._content_spans` and `PromptRenderer`: render the conversation again
+with an unguessable marker around each message's content, here numbered with the message's
+index so that merged messages (tool results joined into one turn, tools appended to the system
+prompt) still name the message they came from. Tools are found by their names in the template's
+text outside any content, or inside the content they were appended to.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from radixlm.agents.chat_format import check_messages
+from radixlm.agents.prompt import PromptRenderer
+from radixlm.agents.tools import ToolSpec
+
+
+@dataclass(frozen=True)
+class Segment:
+    label: str  # "messages[2].content", "messages[2].header", "tools", "generation_prompt"
+    role: str | None  # the message's role; None for tools and the generation prompt
+    start: int  # character offsets in the rendered prompt, [start, end)
+    end: int
+
+
+@dataclass(frozen=True)
+class SegmentMap:
+    """A rendered chat prompt cut into segments that cover it, in order."""
+
+    text: str
+    segments: tuple[Segment, ...]
+
+    def at(self, offset: int) -> Segment:
+        """The segment holding character `offset` (the last one past the end)."""
+        for segment in self.segments:
+            if offset < segment.end:
+                return segment
+        return self.segments[-1]
+
+    @property
+    def kinds(self) -> dict[str, str]:
+        """label -> a label without the message number ("user.content"), for grouping."""
+        return {s.label: _kind(s) for s in self.segments}
+
+
+def chat_segments(
+    renderer: PromptRenderer,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[ToolSpec] = (),
+) -> SegmentMap:
+    """Segments of the prompt `renderer` writes for `messages` and `tools`. Raises ValueError
+    for invalid messages, as rendering them would."""
+    checked = check_messages(messages)
+    nonce = secrets.token_hex(8)
+    close = f"\ue002{nonce}\ue003"
+    marked = []
+    for i, m in enumerate(checked):
+        content = m["content"]
+        if content:  # the template trims nothing inside the marks: edges stay outside them
+            core = content.strip()
+            lead, trail = (
+                content[: len(content) - len(content.lstrip())],
+                content[len(content.rstrip()) :],
+            )
+            content = f"{lead}\ue000{nonce}{i}\ue001{core}{close}{trail}" if core else content
+        marked.append({**m, "content": content})
+    rendered = renderer.render(marked, tools)
+    pattern = re.compile(f"\ue000{nonce}(\\d+)\ue001|{re.escape(close)}")
+    pieces: list[str] = []
+    spans: list[tuple[int, int, int]] = []  # (message index, start, end) in the unmarked text
+    pos = length = 0
+    opened: tuple[int, int] | None = None
+    for match in pattern.finditer(rendered):
+        pieces.append(rendered[pos : match.start()])
+        length += match.start() - pos
+        pos = match.end()
+        if match.group(1) is not None:
+            opened = (int(match.group(1)), length)
+        elif opened is not None:
+            spans.append((opened[0], opened[1], length))
+            opened = None
+    pieces.append(rendered[pos:])
+    text = "".join(pieces)
+    return SegmentMap(text, tuple(_cover(text, spans, checked, tools)))
+
+
+def _cover(
+    text: str,
+    spans: list[tuple[int, int, int]],
+    checked: list[dict[str, Any]],
+    tools: Sequence[ToolSpec],
+) -> list[Segment]:
+    """Segments covering all of `text`: each content span, the header before it (template text
+    up to the content) and the tools region cut out of whichever segment holds it."""
+    out: list[Segment] = []
+    pos = 0
+    for i, start, end in spans:
+        role = checked[i]["role"]
+        if pos < start:
+            out.append(Segment(f"messages[{i}].header", role, pos, start))
+        out.append(Segment(f"messages[{i}].content", role, start, end))
+        pos = end
+    if pos < len(text):
+        out.append(Segment("generation_prompt", None, pos, len(text)))
+    region = _tools_region(text, tools)
+    if region is None:
+        return out
+    a, b = region
+    tools_seg = Segment("tools", None, a, b)
+    cut: list[Segment] = []
+    for s in out:
+        if s.end <= a or s.start >= b:  # wholly outside the tools
+            if s.start >= b and tools_seg not in cut:
+                cut.append(tools_seg)
+            cut.append(s)
+            continue
+        if s.start < a:
+            cut.append(Segment(s.label, s.role, s.start, a))
+        if tools_seg not in cut:
+            cut.append(tools_seg)
+        if s.end > b:
+            cut.append(Segment(s.label, s.role, b, s.end))
+    return cut
+
+
+def _tools_region(text: str, tools: Sequence[ToolSpec]) -> tuple[int, int] | None:
+    """From the start of the line naming the first tool to the end of the line naming the last
+    (tools render one JSON object each, sorted by name)."""
+    found = [text.find(f'"{t.name}"') for t in tools]
+    found = [p for p in found if p >= 0]
+    if not found:
+        return None
+    first, last = min(found), max(found)
+    start = text.rfind("\n", 0, first) + 1
+    end = text.find("\n", last)
+    return start, len(text) if end < 0 else end
+
+
+def _kind(segment: Segment) -> str:
+    if segment.role is None:
+        return segment.label
+    return f"{segment.role}.{segment.label.rsplit('.', 1)[1]}"
