@@ -30,12 +30,14 @@ NUM_GROUPS, PER_GROUP = 4, 4
 
 def test_prefix_groups_stay_on_one_replica_behind_smg(tmp_path: Path) -> None:
     model = save_tiny_chat_model(tmp_path / "model", context_len=1024)
-    ports = _free_ports(3)
+    ports = _free_ports(4)  # gateway, two replicas, the gateway's metrics
     out = tmp_path / "bench.json"
     with LocalCluster(tmp_path / "logs", model=str(model)) as cluster:
-        replicas = cluster.start_replicas(ports[1:], 1, 4096, worker_ids=["replica-a", "replica-b"])
+        replicas = cluster.start_replicas(
+            ports[1:3], 1, 4096, worker_ids=["replica-a", "replica-b"]
+        )
         urls = [r.url for r in replicas]
-        gateway = cluster.start_smg(urls, ports[0], "cache_aware")
+        gateway = cluster.start_smg(urls, ports[0], "cache_aware", metrics_port=ports[3])
         loads = _gateway_loads(gateway.url, len(urls))  # smg parsed both replicas' /v1/loads
         assert sorted(load["max_total_num_tokens"] for load in loads) == [4096, 4096]
 

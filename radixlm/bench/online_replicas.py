@@ -104,16 +104,23 @@ class LocalCluster:
         return started
 
     def start_smg(
-        self, worker_urls: Sequence[str], port: int, policy: str = "cache_aware", *extra: str
+        self,
+        worker_urls: Sequence[str],
+        port: int,
+        policy: str = "cache_aware",
+        *extra: str,
+        metrics_port: int | None = None,
     ) -> Process:
-        """smg in front of `worker_urls`, ready when it lists every one of them as healthy."""
+        """smg in front of `worker_urls`, ready when it lists every one of them as healthy; its
+        Prometheus metrics on `metrics_port` (default: port + 1000)."""
         smg = smg_executable()
         if smg is None:
             raise RuntimeError("smg is not installed (pip install smg)")
         argv = [
             smg, "launch", "--host", "127.0.0.1", "--port", str(port),
             "--worker-urls", *worker_urls, "--policy", policy, "--worker-wedge-secs", "30",
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 1000),
+            "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(metrics_port or port + 1000),
             "--log-level", "warn", *extra,
         ]  # fmt: skip
         if self.api_key:
