@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("radixlm.commands.chat", "a terminal chat that shows the prefix cache at work"),
     "generate": ("radixlm.commands.generate", "one prompt in, one completion out"),
     "demo": ("radixlm.demo", "replay a small chat scenario through the radix tree"),
+    "lint": ("radixlm.commands.lint", "which requests of a file break the prefix cache, and why"),
 }
 
 # `radixlm bench <name>`

@@ -3,7 +3,8 @@
 The reason is decided in this order, first fit wins:
 
     hit                      the whole prompt but its last token was cached: nothing to explain
-    salt                     another cache_salt holds a longer prefix of these very tokens
+    salt                     another cache_salt holds these very tokens past the segment
+                             where this prompt's match ended
     evicted                  the tree had the next tokens and evicted them (when: evicted_at)
     new_content              the tree holds nothing after the match: the prompt just goes on
     different_previous_turn  the match ends inside an assistant message: the client sent back
@@ -80,7 +81,10 @@ def explain(
     rest = decode(prompt[cached:])
     tree = decode(probe.continuation) if probe.continuation else None
     segment = segments.at(len(prefix)) if segments is not None else None
-    reason, lost = _reason(probe, len(prompt), prefix, rest, tree, segment)
+    salted = probe.other_namespace_len > cached and _past(
+        segments, len(prefix), len(decode(prompt[: probe.other_namespace_len]))
+    )
+    reason, lost = _reason(probe, len(prompt), prefix, rest, tree, segment, salted)
     return CacheReport(
         reason=reason,
         prompt_len=len(prompt),
@@ -118,11 +122,12 @@ def _reason(
     rest: str,
     tree: str | None,
     segment: Segment | None,
+    salted: bool,
 ) -> tuple[str, int]:
     cached = probe.cached_len
     if cached >= prompt_len - 1:  # the last token is always computed
         return "hit", 0
-    if probe.other_namespace_len > cached:
+    if salted:
         return "salt", probe.other_namespace_len - cached
     if probe.evicted is not None:
         return "evicted", probe.evicted.num_tokens
@@ -137,6 +142,19 @@ def _reason(
     if _reordered(prefix[start:], rest, tree):
         return "reordered", lost
     return "new_content", 0
+
+
+def _past(segments: SegmentMap | None, own: int, other: int) -> bool:
+    """Whether another salt's match (up to char `other`) holds content that ours (up to char
+    `own`) does not. Every salt shares the template's first header, so matching template text
+    only is no reason to blame the salt."""
+    if segments is None:
+        return other > own
+    return any(
+        s.start < other and own < s.end
+        for s in segments.segments
+        if s.label == "tools" or s.label.endswith(".content")
+    )
 
 
 # A volatile value: a run of digits, hex digits and the separators of dates, times and UUIDs

@@ -3,7 +3,7 @@
     /health, /metrics                      open (liveness probes and Prometheus need no key)
     /v1/models, /v1/completions,
     /v1/chat/completions, /v1/cache,
-    /v1/cache/flush                        behind `Authorization: Bearer KEY` when keys are set
+    /v1/cache/flush, /v1/cache/report      behind `Authorization: Bearer KEY` when keys are set
 
 Around the routes, outermost first: the request counter (every response is counted, 500s and
 413s included), `ErrorMiddleware` (an unexpected exception is one logged 500) and
@@ -24,6 +24,7 @@ from fastapi import Depends, FastAPI
 
 from radixlm.config import ServerConfig
 from radixlm.engine.async_engine import AsyncEngine
+from radixlm.observatory.routes import observatory_router
 from radixlm.server.admin_routes import cache_router, health_router
 from radixlm.server.body import BodyLimitMiddleware
 from radixlm.server.errors import ErrorMiddleware, install_error_handlers
@@ -41,6 +42,7 @@ ROUTES = frozenset(
         "/v1/chat/completions",
         "/v1/cache",
         "/v1/cache/flush",
+        "/v1/cache/report",
     }
 )
 
@@ -64,6 +66,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
     app.include_router(health_router(state))
     app.include_router(openai_router(state), dependencies=guarded)
     app.include_router(cache_router(state), dependencies=guarded)
+    app.include_router(observatory_router(state.observatory), dependencies=guarded)
     install_worker_routes(app, state, guarded)  # what a gateway in front of replicas calls
     # add_middleware wraps what is there: the last one added runs first
     app.add_middleware(

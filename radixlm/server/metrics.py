@@ -48,6 +48,14 @@ class ServerMetrics:
             "radixlm_inter_token_latency_seconds", "Time between two tokens of one stream",
             buckets=_LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
+        self.cache_reports = Counter(
+            "radixlm_cache_reports", "Requests explained (return_cache_report) by reason",
+            ["reason"], registry=self.registry,
+        )  # fmt: skip
+        self.cache_lost_tokens = Counter(
+            "radixlm_cache_lost_tokens", "Prefill a perfect client would have saved, by reason",
+            ["reason"], registry=self.registry,
+        )  # fmt: skip
         self.engine = EngineCollector()
         self.registry.register(self.engine)
 
@@ -60,6 +68,10 @@ class ServerMetrics:
     def observe_finished(self, prompt_tokens: int, completion_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
+
+    def observe_cache_report(self, reason: str, lost_tokens: int) -> None:
+        self.cache_reports.labels(reason).inc()
+        self.cache_lost_tokens.labels(reason).inc(lost_tokens)
 
     def render(self, snapshot: EngineSnapshot | None) -> bytes:
         """The text exposition format, with the engine's values as of `snapshot`."""

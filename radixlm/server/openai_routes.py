@@ -28,6 +28,7 @@ from pydantic import BaseModel, ValidationError
 from radixlm.agents.chat import ChatAgents, ChatOutputs, ChatPlan, call_deltas, finish_reason
 from radixlm.agents.grammar import Constraint
 from radixlm.engine.engine import QueueFullError
+from radixlm.observatory.routes import with_cache_report
 from radixlm.request import SamplingParams
 from radixlm.server.admission import check_fits
 from radixlm.server.errors import APIError, ClientDisconnected, error_body, from_validation_error
@@ -76,7 +77,15 @@ def openai_router(state: ServerState) -> APIRouter:
             state, body, [prompt], body.token_limit, top, "messages", plan.constraint
         )
         outputs = ChatOutputs(agents, plan, namespace)
-        return await _respond(request, state, body, [prompt], params, header, "messages", outputs)
+        report = None
+        if body.return_cache_report:  # explained only when asked: no cost for the others
+            report = await state.observatory.explain_chat(
+                prompt, namespace, agents.renderer, body.template_messages, plan.tools
+            )
+        response = await _respond(
+            request, state, body, [prompt], params, header, "messages", outputs
+        )
+        return with_cache_report(response, report) if body.return_cache_report else response
 
     @router.get("/v1/models")
     async def models() -> JSONResponse:

@@ -282,6 +282,7 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    return_cache_report: bool = False  # why the cache missed: docs/observatory.md
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:

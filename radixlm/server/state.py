@@ -13,6 +13,7 @@ from pathlib import Path
 
 from radixlm.config import ServerConfig
 from radixlm.engine.async_engine import AsyncEngine
+from radixlm.observatory.service import Observatory
 from radixlm.server.admission import Admission, ModelLimits
 from radixlm.server.generation import Generation
 from radixlm.server.metrics import ServerMetrics
@@ -31,6 +32,7 @@ class ServerState:
     admission: Admission  # length checks and the tokenizer threads
     tenancy: Tenancy  # API keys, cache namespaces, what cached_tokens reports
     snapshots: SnapshotCache  # /metrics' engine snapshots, shared by scrapes close together
+    observatory: Observatory  # cache reports on request (return_cache_report), /v1/cache/report
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
     generations: set[Generation] = field(default_factory=set)  # requests being served now
@@ -43,6 +45,7 @@ class ServerState:
             num_slots=int(core.cache.capacity),
             vocab_size=int(core.runner.vocab_size),
         )
+        metrics = ServerMetrics()
         return cls(
             engine,
             config,
@@ -51,6 +54,8 @@ class ServerState:
             Admission(core.tokenizer, limits, config),
             Tenancy(config),
             SnapshotCache(config.metrics_snapshot_ttl_s),
+            Observatory.attach(engine, metrics),
+            metrics,
         )
 
     def abort_all(self) -> None:
