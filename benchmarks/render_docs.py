@@ -127,6 +127,8 @@ def benchmarks_page() -> str:
         offline_section(),
         "## Model speed against transformers\n",
         model_section(),
+        "## Replicas behind a cache-aware gateway\n",
+        replicas_section(),
         "## The tree against SGLang's\n",
         sglang_section(),
     ]
@@ -202,6 +204,37 @@ def _model_block(name: str, result: dict[str, Any]) -> str:
             cells.append(_opt(row.get("pytorch_ms"), "{:.1f} ms"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def replicas_section() -> str:
+    path = BENCH / "replicas.json"
+    if not path.exists():
+        return "No run recorded yet (`benchmarks/replicas.py`).\n"
+    result = json.loads(path.read_text())
+    config = result["config"]
+    lines = [
+        f"`benchmarks/replicas.py` ([replicas.md](replicas.md)): {config['groups']} prefix groups "
+        f"x {config['per_group']} chat requests, ~{config['system_len']:,}-token system prompt "
+        f"per group, interleaved, 4 in flight; two replicas of 1 thread and "
+        f"{config['num_slots']:,} slots behind smg, or one pooled replica of 2 threads with the "
+        "same slots in all; caches flushed between runs. smg flags: "
+        f"`{' '.join(config.get('smg_arg') or []) or 'defaults'}`.\n",
+        "| run | requests ok | hit rate | prefill computed (ideal) | least affine group "
+        "| share per replica | failed |",
+        "|---|---:|---:|---:|---:|---|---:|",
+    ]
+    for name, run in result["runs"].items():
+        s = run["summary"]
+        prefill = s.get("server_prefill_tokens")
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(s.get("worker_share", {}).items()))
+        lines.append(
+            f"| {name} | {s['num_ok']} / {s['num_requests']} | {s['hit_rate']:.1%} "
+            f"| {_opt(prefill, '{:,}')} ({s['ideal_prefill_tokens']:,}) "
+            f"| {_opt(s.get('min_group_affinity'), '{:.0%}')} | {shares} "
+            f"| {s['num_errors']} |"
+        )
+    lines.append(f"\n{_host_line(result.get('host'))}.\n")
+    return "\n".join(lines)
 
 
 def sglang_section() -> str:
