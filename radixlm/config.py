@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 CacheKind = Literal["radix", "none"]
+Eviction = Literal["lru", "turn-credit", "gdsf"]
 Policy = Literal["lpm", "fcfs"]
 DType = Literal["float32", "bfloat16", "float16"]
 CachedTokensReport = Literal["exact", "page", "none"]
@@ -41,6 +42,7 @@ class CacheConfig:
     page_size: int = 1  # matches and inserts cover whole pages of this many tokens
     cache: CacheKind = "radix"  # "none" never reuses KV (the ablation)
     kv_dtype: DType | None = None  # None = the model's dtype
+    eviction: Eviction = "lru"  # which unlocked leaf goes first (radixlm/cache/eviction.py)
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
@@ -49,6 +51,10 @@ class CacheConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.cache not in ("radix", "none"):
             raise ValueError(f"cache must be 'radix' or 'none', got {self.cache!r}")
+        if self.eviction not in ("lru", "turn-credit", "gdsf"):
+            raise ValueError(
+                f"eviction must be 'lru', 'turn-credit' or 'gdsf', got {self.eviction!r}"
+            )
 
 
 @dataclass(frozen=True)

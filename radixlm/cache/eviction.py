@@ -25,12 +25,19 @@ class EvictionPolicy(Protocol):
     """Orders evictable leaves: the smallest priority is evicted first.
 
     Contract: a node's priority never decreases while it stays in the tree (the lazy heap relies
-    on it). Priorities are integers so that heap entries compare cheaply.
+    on it). Priorities are integers so that heap entries compare cheaply. The tree calls the
+    hooks; a policy may keep its state in `node.priority` and in itself, nowhere else.
     """
 
     name: str
 
     def priority(self, node: TreeNode) -> int: ...
+
+    def touch(self, node: TreeNode, tick: int) -> None:
+        """A match or insert walked through `node` at `tick` (after `last_access`/`hits`)."""
+
+    def evicted(self, node: TreeNode, tick: int) -> None:
+        """`node` left the tree at `tick`."""
 
 
 class LRUPolicy:
@@ -43,8 +50,89 @@ class LRUPolicy:
     def priority(self, node: TreeNode) -> int:
         return node.last_access
 
+    def touch(self, node: TreeNode, tick: int) -> None:
+        pass
 
-POLICIES: dict[str, type[LRUPolicy]] = {"lru": LRUPolicy}
+    def evicted(self, node: TreeNode, tick: int) -> None:
+        pass
+
+
+class TurnCreditPolicy:
+    """LRU with a credit for conversations that come back: priority = last access + level x
+    `credit` x the cache's turnover time (ticks an unpromoted node lives from its last access
+    to its eviction, a running mean). level = min(`max_level`, turn - 1 + (1 if hit)): a node of
+    a later turn, or one that was matched again, is likely to be asked for again, while most
+    first turns never return. The credit is frozen into `node.priority` at each touch (never
+    lowered), so a turnover that shrinks later cannot decrease a priority."""
+
+    name = "turn-credit"
+
+    def __init__(self, credit: float = 10.0, max_level: int = 6) -> None:
+        if credit < 0 or max_level < 0:
+            raise ValueError("credit and max_level must be >= 0")
+        self.credit = credit
+        self.max_level = max_level
+        self.turnover = 0.0  # ticks; 0 until the first eviction: no credit before pressure
+
+    def level(self, node: TreeNode) -> int:
+        return min(self.max_level, node.turn - 1 + (node.hits > 0))
+
+    def priority(self, node: TreeNode) -> int:
+        return node.priority
+
+    def touch(self, node: TreeNode, tick: int) -> None:
+        value = tick + int(self.level(node) * self.credit * self.turnover)
+        if value > node.priority:
+            node.priority = value
+
+    def evicted(self, node: TreeNode, tick: int) -> None:
+        if self.level(node) == 0:  # only unpromoted nodes measure how long plain LRU keeps one
+            self.turnover += (tick - node.last_access - self.turnover) / 64
+
+
+class GDSFPolicy:
+    """Greedy-Dual-Size-Frequency with recompute cost: priority = L + uses x cost / size, where
+    uses = turn + hits (the conversation's earlier turns count as earlier uses of its prefix),
+    cost / size is the mean prefill cost of one token of the node's span and L (the GDSF clock)
+    is the largest priority evicted so far. A token at position p costs the model's
+    linear work plus attention over p earlier tokens, so deeper prefixes cost more to recompute
+    and stay longer. L only grows and is added at each touch, which ages untouched nodes and
+    keeps every priority non-decreasing (a touch never lowers `node.priority`)."""
+
+    name = "gdsf"
+    SCALE = 1000  # priority units per unit of per-token cost (priorities are integers)
+
+    def __init__(self, attn_tokens: float = 3900.0) -> None:
+        # Position at which a token's attention work equals its linear work. The default model:
+        # ~2 x 135M FLOPs of matmuls per token, 4 x 30 layers x 9 heads x 64 FLOPs per position.
+        if attn_tokens <= 0:
+            raise ValueError("attn_tokens must be > 0")
+        self.attn_tokens = attn_tokens
+        self.clock = 0
+
+    def cost_per_token(self, node: TreeNode) -> float:
+        mid = node.depth - len(node.value) / 2  # mean position of the span
+        return 1.0 + mid / self.attn_tokens
+
+    def priority(self, node: TreeNode) -> int:
+        return node.priority
+
+    def touch(self, node: TreeNode, tick: int) -> None:
+        uses = max(1, node.turn) + node.hits
+        value = self.clock + int(uses * self.SCALE * self.cost_per_token(node))
+        if value > node.priority:
+            node.priority = value
+
+    def evicted(self, node: TreeNode, tick: int) -> None:
+        if node.priority > self.clock:
+            self.clock = node.priority
+
+
+POLICIES: dict[str, type[LRUPolicy] | type[TurnCreditPolicy] | type[GDSFPolicy]] = {
+    "lru": LRUPolicy,
+    "turn-credit": TurnCreditPolicy,
+    "gdsf": GDSFPolicy,
+}
 
 
 def make_policy(policy: str | EvictionPolicy) -> EvictionPolicy:

@@ -324,5 +324,5 @@ class NoCache(PrefixCache):
 def create_prefix_cache(config: CacheConfig, pool: SlotPool) -> PrefixCache:
     """The cache named by `config.cache` ("radix" or "none") over `pool`."""
     if config.cache == "radix":
-        return RadixCache(pool, page_size=config.page_size)
+        return RadixCache(pool, page_size=config.page_size, policy=config.eviction)
     return NoCache(pool)

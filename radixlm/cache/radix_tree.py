@@ -38,6 +38,7 @@ from radixlm.cache.tree_node import (
     TreeNode,
     TreeStats,
 )
+from radixlm.cache.turns import TurnTracker
 
 __all__ = [
     "EvictResult",
@@ -60,6 +61,8 @@ class RadixTree:
         self._page_bytes = page_size * TOKEN_BYTES
         self._roots: dict[Namespace, TreeNode] = {}
         self._order = EvictionOrder(make_policy(policy))
+        self._touch = self._order.policy.touch
+        self.turns = TurnTracker()  # conversation turns of new leaves (cache/turns.py)
         self._clock = 0  # ticks once per match/insert; the LRU time
         self.evictable_tokens = 0  # tokens in unlocked nodes
         self.protected_tokens = 0  # tokens in locked nodes
@@ -152,7 +155,8 @@ class RadixTree:
         prefix_len = pos // TOKEN_BYTES
         if pos < len(buf):
             end = len(buf) // TOKEN_BYTES
-            node = self._add_leaf(node, buf[pos:], slots[prefix_len:end], tick)
+            turn = self.turns.turn_of_tail(node, buf, pos, namespace)
+            node = self._add_leaf(node, buf[pos:], slots[prefix_len:end], tick, turn)
         return InsertResult(prefix_len, node)
 
     def lock(self, node: TreeNode) -> None:
@@ -198,12 +202,15 @@ class RadixTree:
         freed: list[np.ndarray] = []
         num_freed = 0
         order, page_b, listener = self._order, self._page_bytes, self.eviction_listener
+        evicted = order.policy.evicted
         while num_freed < num_tokens and order.num_members:
             node = order.pop()
             parent = node.parent
             assert parent is not None  # roots are never members
             if listener is not None:
                 listener(node)
+            evicted(node, self._clock)
+            self.turns.evicted(node)
             del parent.children[node.key[:page_b]]
             size = len(node.value)
             num_freed += size
@@ -301,13 +308,19 @@ class RadixTree:
             child.last_access = tick
             if parts is not None:
                 parts.append(child.value)
+                child.hits += 1
+            self._touch(child, tick)
             node = child
         return node, pos
 
-    def _add_leaf(self, parent: TreeNode, key: bytes, slots: np.ndarray, tick: int) -> TreeNode:
+    def _add_leaf(
+        self, parent: TreeNode, key: bytes, slots: np.ndarray, tick: int, turn: int
+    ) -> TreeNode:
         value = slots.copy()
         value.setflags(write=False)  # match may hand this array out without a copy
         leaf = TreeNode(key, value, parent, parent.depth + len(value), tick)
+        leaf.turn = turn
+        self._touch(leaf, tick)
         if parent.evict_seq:
             self._order.discard(parent)  # no longer a leaf
         parent.children[key[: self._page_bytes]] = leaf
@@ -327,7 +340,9 @@ class RadixTree:
         upper = TreeNode(
             child.key[:cut], child.value[:k], parent, child.depth - len(child.value) + k, 0
         )
-        upper.last_access = child.last_access
+        upper.last_access, upper.hits = child.last_access, child.hits
+        upper.turn, upper.turn_below = child.turn, child.turn_below
+        upper.priority = child.priority
         upper.lock_ref = child.lock_ref
         parent.children[child.key[: self._page_bytes]] = upper
         child.key = child.key[cut:]

@@ -27,12 +27,16 @@ class TreeNode:
         "children",
         "depth",
         "evict_seq",
+        "hits",
         "key",
         "last_access",
         "lock_ref",
         "namespace",
         "own_locks",
         "parent",
+        "priority",
+        "turn",
+        "turn_below",
         "value",
     )
 
@@ -49,6 +53,10 @@ class TreeNode:
         self.own_locks = 0  # locks held on exactly this node
         self.evict_seq = 0  # != 0 while the node is in the eviction order
         self.namespace: Namespace = None  # meaningful on roots only
+        self.hits = 0  # matches that walked through this node
+        self.turn = 0  # inferred conversation turn of the request that inserted it; roots 0
+        self.turn_below = 0  # the deepest turn among its evicted descendants (cache/turns.py)
+        self.priority = 0  # kept by policies that store their priority (never lowered)
 
     @property
     def tokens(self) -> np.ndarray:

@@ -34,6 +34,8 @@ _HELP = {
     "page_size": "tokens per page of the prefix cache",
     "cache": "radix reuses cached prefixes; none is the ablation",
     "kv_dtype": "the KV pool's dtype (default: the model's)",
+    "eviction": "lru; turn-credit (later turns live longer); gdsf (costlier prefixes live "
+    "longer); docs/cache.md",
     "max_running_requests": "requests decoding together",
     "max_batch_tokens": "tokens one forward pass may compute",
     "chunk_size": "the longest prefill chunk of one request per step",

@@ -1,0 +1,207 @@
+"""Eviction policies: what each one keeps, turn inference (with ghosts of evicted turns), and
+random operation sequences per policy against the brute-force reference: every evicted node
+had the smallest priority among the unlocked leaves at that moment, no priority ever decreases,
+and check_integrity() holds after every step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+from tree_reference import ReferenceCache
+
+from radixlm.cache.eviction import POLICIES, GDSFPolicy, TurnCreditPolicy
+from radixlm.cache.kv_pool import SlotAllocator
+from radixlm.cache.prefix_cache import RadixCache, create_prefix_cache
+from radixlm.cache.radix_tree import RadixTree, TreeNode
+from radixlm.config import CacheConfig
+
+SYS = list(range(1000, 1016))  # a 16-token system prompt every conversation starts with
+
+
+def ids(tokens: list[int]) -> np.ndarray:
+    return np.array(tokens, dtype=np.int64)
+
+
+def put(tree: RadixTree, tokens: list[int], namespace: str | None = None) -> TreeNode:
+    """A request: match its tokens, then insert them (fresh slot ids), as the engine does."""
+    tree.match(ids(tokens), namespace)
+    base = 10_000 * (tree.stats().num_queries + 1)
+    return tree.insert(ids(tokens), np.arange(base, base + len(tokens)), namespace).node
+
+
+def conversation(seed: int, turns: int) -> list[int]:
+    """The prompt of turn `turns` of conversation `seed`: each turn appends 20 tokens."""
+    return SYS + [seed * 100 + i for i in range(20 * turns)]
+
+
+def test_a_later_turn_is_one_deeper_and_a_shared_system_prompt_is_not_a_turn() -> None:
+    tree = RadixTree()
+    assert put(tree, conversation(1, 1)).turn == 1
+    assert put(tree, conversation(1, 2)).turn == 2
+    assert put(tree, conversation(1, 3)).turn == 3
+    assert put(tree, conversation(2, 1)).turn == 1  # only the system prompt is shared
+    tree.check_integrity()
+
+
+def test_an_evicted_conversation_is_recognised_when_it_comes_back() -> None:
+    tree = RadixTree()
+    put(tree, conversation(1, 1))
+    put(tree, conversation(1, 2))
+    put(tree, conversation(2, 1))
+    tree.evict(tree.evictable_tokens - len(SYS))  # everything but the system prompt
+    assert tree.num_tokens == len(SYS)
+    assert put(tree, conversation(1, 3)).turn == 3  # the ghost of turn 2, not turn 1
+    assert put(tree, conversation(3, 1)).turn == 1  # never seen: no ghost
+    tree.check_integrity()
+
+
+def test_turn_credit_keeps_a_returning_conversation_over_a_newer_first_turn() -> None:
+    kept = {}
+    for name in ("lru", "turn-credit"):
+        tree = RadixTree(policy=name)
+        if isinstance(tree.policy, TurnCreditPolicy):
+            tree.policy.turnover = 100.0  # as if measured: an unpromoted node lives 100 ticks
+        put(tree, conversation(1, 1))
+        second = put(tree, conversation(1, 2))
+        newer = put(tree, conversation(2, 1))
+        tree.evict(20)
+        kept[name] = (second.depth > 0, newer.depth > 0)
+        tree.check_integrity()
+    assert kept == {"lru": (False, True), "turn-credit": (True, False)}
+
+
+def test_gdsf_evicts_the_cheaper_shallow_span_before_an_older_deep_one() -> None:
+    tree = RadixTree(policy="gdsf")
+    deep = put(tree, list(range(4000)))  # the mean position of its span is 2000: costlier
+    shallow = put(tree, list(range(5000, 5040)))
+    policy = tree.policy
+    assert isinstance(policy, GDSFPolicy)
+    assert policy.priority(shallow) < policy.priority(deep)
+    tree.evict(1)
+    assert shallow.depth == -1 and deep.depth == 4000
+    assert policy.clock == shallow.priority  # the GDSF clock is the last evicted priority
+    tree.check_integrity()
+
+
+def test_the_policy_is_chosen_by_name_in_the_cache_config() -> None:
+    cache = create_prefix_cache(CacheConfig(eviction="gdsf"), SlotAllocator(64))
+    assert isinstance(cache, RadixCache) and cache.tree.policy.name == "gdsf"
+    with pytest.raises(ValueError, match="eviction must be"):
+        CacheConfig(eviction="lfu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        RadixTree(policy="mru")
+
+
+# -- random operation sequences per policy against the brute-force reference ------------------
+
+NAMESPACES = st.sampled_from([None, "tenant"])
+
+
+def unlocked_leaves(tree: RadixTree) -> list[TreeNode]:
+    """Brute force: every unlocked leaf, found by walking the whole tree."""
+    found, stack = [], list(tree.roots().values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        if node.parent is not None and not node.children and node.lock_ref == 0:
+            found.append(node)
+    return found
+
+
+def make_machine(policy_name: str, page_size: int) -> type[RuleBasedStateMachine]:
+    tokens = st.lists(st.integers(0, 2), max_size=13)
+
+    class PolicyVersusReference(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tree = RadixTree(page_size=page_size, policy=policy_name)
+            self.ref = ReferenceCache(page_size)
+            self.tree.eviction_listener = self.check_popped_is_minimal
+            self.next_slot = 0
+            self.nodes: list[tuple[str | None, tuple[int, ...], TreeNode]] = []
+            self.locks: list[tuple[str | None, tuple[int, ...], TreeNode]] = []
+            self.seen: dict[int, tuple[TreeNode, int]] = {}  # id -> (node, last priority)
+
+        def check_popped_is_minimal(self, node: TreeNode) -> None:
+            priority = self.tree.policy.priority
+            others = unlocked_leaves(self.tree)  # still attached: `node` is among them
+            assert node in others
+            assert priority(node) == min(priority(n) for n in others)
+
+        @rule(tokens=tokens, namespace=NAMESPACES)
+        def match(self, tokens: list[int], namespace: str | None) -> None:
+            m = self.tree.match(ids(tokens), namespace)
+            assert (m.length, m.slots.tolist()) == self.ref.match(tokens, namespace)
+            self.nodes.append((namespace, tuple(tokens[: m.length]), m.node))
+
+        @rule(tokens=tokens, namespace=NAMESPACES)
+        def insert(self, tokens: list[int], namespace: str | None) -> None:
+            slots = list(range(self.next_slot, self.next_slot + len(tokens)))
+            self.next_slot += len(tokens)
+            r = self.tree.insert(ids(tokens), np.array(slots, dtype=np.int64), namespace)
+            assert r.prefix_len == self.ref.insert(tokens, slots, namespace)
+            self.nodes.append((namespace, tuple(tokens[: r.node.depth]), r.node))
+
+        @precondition(lambda self: self.nodes)
+        @rule(pick=st.integers(0, 1 << 16))
+        def lock(self, pick: int) -> None:
+            namespace, seq, node = self.nodes[pick % len(self.nodes)]
+            self.tree.lock(node)
+            if seq:
+                self.ref.locked.append((namespace, seq))
+            self.locks.append((namespace, seq, node))
+
+        @precondition(lambda self: self.locks)
+        @rule(pick=st.integers(0, 1 << 16))
+        def unlock(self, pick: int) -> None:
+            namespace, seq, node = self.locks.pop(pick % len(self.locks))
+            self.tree.unlock(node)
+            if seq:
+                self.ref.locked.remove((namespace, seq))
+
+        @rule(num_tokens=st.integers(0, 3 * page_size))
+        def evict(self, num_tokens: int) -> None:
+            protected = self.ref.protected()
+            result = self.tree.evict(num_tokens)
+            gone = self.ref.remove_slots(set(result.slots.tolist()))
+            assert len(gone) * page_size == result.num_tokens
+            assert not protected.intersection(gone)
+            self.nodes.clear()  # unlocked nodes may be gone now
+
+        @invariant()
+        def agrees_and_never_lowers_a_priority(self) -> None:
+            self.tree.check_integrity()
+            protected = len(self.ref.protected()) * page_size
+            assert self.tree.protected_tokens == protected
+            assert self.tree.evictable_tokens == self.ref.num_tokens - protected
+            priority = self.tree.policy.priority
+            alive = {}
+            stack = list(self.tree.roots().values())
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                old = self.seen.get(id(node))
+                if old is not None and old[0] is node:
+                    assert priority(node) >= old[1], "a priority decreased"
+                alive[id(node)] = (node, priority(node))
+            self.seen = alive
+
+    return PolicyVersusReference
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+@pytest.mark.parametrize("policy_name", sorted(POLICIES))
+def test_policy_matches_the_reference(policy_name: str, page_size: int) -> None:
+    machine = make_machine(policy_name, page_size)
+    run_state_machine_as_test(
+        machine, settings=settings(max_examples=40, stateful_step_count=40, deadline=None)
+    )
