@@ -501,3 +501,16 @@ def test_each_matmul_goes_to_the_faster_path(isa: str) -> None:
     assert kernels.runs_linear(native.NATIVE_LINEAR_ROWS, onednn_packed=True)
     assert kernels.runs_linear(512, onednn_packed=False)  # nothing else would be fast
     assert kernels.runs_linear(512, onednn_packed=True) == (isa == "avx512")
+
+
+def test_the_install_step_fails_loudly_on_a_broken_build(monkeypatch, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`python -m radixlm.model.native_build` (make's install step): a variant that does not
+    compile is a nonzero exit naming it; no compiler at all is a warning and exit 0 (the
+    kernels are then off, not broken)."""
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    assert native_build.main(["generic"]) == 1
+    assert "the generic native kernels failed to build" in capsys.readouterr().err
+    monkeypatch.setattr(native_build, "compiler", lambda: None)
+    assert native_build.main([]) == 0
+    assert not list(tmp_path.glob("*.so"))  # nothing was built

@@ -110,6 +110,7 @@ def _setup() -> dict[str, Any]:
     except OSError:
         commit = ""
     return {
+        "isa": None if kernels is None else kernels.isa,  # as docs/bench/model_speed.json has it
         "kernels": ran,
         "cpu": {"model": native_build.cpu_name(), "isa_flags": isa_flags},
         "env": env,
