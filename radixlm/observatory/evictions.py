@@ -10,7 +10,6 @@ not a proof; it also does not know the edge's namespace (a root is O(depth) away
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import OrderedDict
 from typing import NamedTuple
@@ -20,6 +19,7 @@ import numpy as np
 from radixlm.cache.tree_node import TOKEN_BYTES, TreeNode
 
 HEAD_TOKENS = 32  # token ids kept per evicted edge: enough to tell prompts apart at one depth
+_HEAD_BYTES = HEAD_TOKENS * TOKEN_BYTES
 
 
 class EvictedEdge(NamedTuple):
@@ -34,33 +34,29 @@ class EvictedRun(NamedTuple):
 
 
 class EvictionLog:
-    """The last `capacity` evicted edges. `record` runs in the engine thread (inside evict);
-    `lookup` in whichever thread owns the tree at the time; a lock keeps the dict whole."""
+    """The last `capacity` evicted edges. Not locked: `record` runs inside the tree's evict and
+    `lookup` inside a probe, both in the one thread that owns the tree (the engine thread)."""
 
     def __init__(self, capacity: int = 4096) -> None:
         self.capacity = capacity
+        # oldest first; an OrderedDict drops its oldest in O(1), where a dict's first key is
+        # found past every slot deleted before it
         self._edges: OrderedDict[tuple[int, bytes], EvictedEdge] = OrderedDict()
-        self._lock = threading.Lock()
 
     def record(self, node: TreeNode) -> None:
         """Remember `node`'s edge (called before the tree marks it evicted)."""
-        length = len(node.value)
-        start = node.depth - length
-        key = (start, node.key[:TOKEN_BYTES])
-        edge = EvictedEdge(time.time(), node.key[: HEAD_TOKENS * TOKEN_BYTES], length)
-        with self._lock:
-            self._edges[key] = edge
-            self._edges.move_to_end(key)
-            if len(self._edges) > self.capacity:
-                self._edges.popitem(last=False)
+        edges, key = self._edges, (node.depth - len(node.value), node.key[:TOKEN_BYTES])
+        edges[key] = EvictedEdge(time.time(), node.key[:_HEAD_BYTES], len(node.value))
+        edges.move_to_end(key)
+        if len(edges) > self.capacity:
+            edges.popitem(last=False)
 
     def lookup(self, ids: np.ndarray, start: int) -> EvictedRun | None:
         """Evicted edges that `ids` follows from position `start` on, chained edge by edge
         (a leaf goes first, then its parent: the run is rebuilt from the top down)."""
         pos, found, when = start, 0, 0.0
         while pos < len(ids):
-            with self._lock:
-                edge = self._edges.get((pos, ids[pos : pos + 1].tobytes()))
+            edge = self._edges.get((pos, ids[pos : pos + 1].tobytes()))
             if edge is None:
                 break
             head = np.frombuffer(edge.head, dtype=np.int64)
