@@ -156,3 +156,32 @@ def test_forks_are_independent(compiler: GrammarCompiler) -> None:
     with pytest.raises(GrammarError):
         leader.advance(quote)
     assert apply_token_masks(torch.zeros(1, VOCAB), [leader]).failed == [0]
+
+
+def test_the_sampler_masks_biases_and_isolates_a_failing_grammar(
+    compiler: GrammarCompiler,
+) -> None:
+    from radixlm.engine.sampler import SampledToken, Sampler, SamplingFailure, SamplingState
+    from radixlm.request import SamplingParams
+
+    brace = byte_level().encode("{", add_special_tokens=False)[0]
+    logits = torch.zeros(4, VOCAB)
+    logits[:, 7] = 5.0  # every row's free greedy choice
+    constraint = compiler.json_object()
+    dead = SamplingState(SamplingParams(temperature=0.0, constraint=constraint))
+    dead.advance(brace)
+    dead.advance(byte_level().encode("}", add_special_tokens=False)[0])
+    dead.matcher._matcher.consume_token(brace)  # type: ignore[union-attr]  # now in error
+    states = [
+        SamplingState(SamplingParams(temperature=0.0, constraint=constraint)),
+        SamplingState(SamplingParams(temperature=0.0, logit_bias={9: 100.0})),
+        SamplingState(SamplingParams(temperature=0.0, min_tokens=2), stop_ids=frozenset({7})),
+        dead,
+    ]
+    outcomes = Sampler().sample_each(logits, states)
+    assert isinstance(outcomes[0], SampledToken)
+    assert _text([outcomes[0].token_id]).lstrip().startswith("{")  # the grammar's choice
+    assert outcomes[1] == SampledToken(9, None)  # the bias wins over the model
+    assert isinstance(outcomes[2], SampledToken) and outcomes[2].token_id != 7  # banned
+    assert isinstance(outcomes[3], SamplingFailure)  # fails alone
+    assert "grammar" in str(outcomes[3].error)
