@@ -5,6 +5,7 @@ very tokens they get without it, and the slot account is back at idle."""
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +21,8 @@ from radixlm.detokenizer import OutputStream, TextDelta
 from radixlm.engine.async_engine import AsyncEngine
 from radixlm.engine.engine import Engine
 from radixlm.engine.sampler import SamplingState
+from radixlm.engine.scheduler import SchedulerOutput
+from radixlm.model.forward_batch import ForwardBatch
 from radixlm.request import Request, SamplingParams, StreamDelta
 
 MAX_TOKENS = 10
@@ -83,8 +86,33 @@ def faulty_detokenizer(stream: OutputStream, fail_at: int) -> None:
 class Fault(NamedTuple):
     prompt: int  # which request
     sample: int  # which of its samples
-    stage: str  # "sampling" or "detokenizing"
+    stage: str  # "sampling", "detokenizing" or "logits" (its row of the model's output is NaN)
     fail_at: int  # raises once the sample has this many output tokens
+
+
+ERROR_NAMES = {"sampling": "sampling", "detokenizing": "detokenizing", "logits": "NonFinite"}
+
+
+def nan_logits(engine: Engine, targets: list[Fault], samples: list[list[Request]]) -> None:
+    """Make the model's logits row of each target NaN once it has `fail_at` output tokens."""
+    schedule, forward = engine.scheduler.schedule, engine.runner.forward
+    plans: list[SchedulerOutput] = []
+
+    def remember(*args: Any) -> SchedulerOutput:
+        plans.append(schedule(*args))
+        return plans[-1]
+
+    def poisoned(batch: ForwardBatch) -> torch.Tensor:
+        logits = forward(batch).clone()  # (R, V): one row per scheduled request, in order
+        for row, item in enumerate(plans[-1].scheduled):
+            for fault in targets:
+                req = samples[fault.prompt][fault.sample]
+                if item.req is req and len(req.output_ids) >= fault.fail_at:
+                    logits[row] = math.nan
+        return logits
+
+    engine.scheduler.schedule = remember  # type: ignore[method-assign]
+    engine.runner.forward = poisoned  # type: ignore[method-assign]
 
 
 def submit_and_run(
@@ -96,8 +124,9 @@ def submit_and_run(
         req = samples[fault.prompt][fault.sample]
         if fault.stage == "sampling":
             req.sampling = FaultySampling(req.sampling, fault.fail_at)
-        else:
+        elif fault.stage == "detokenizing":
             faulty_detokenizer(req.text, fault.fail_at)
+    nan_logits(engine, [f for f in faults if f.stage == "logits"], samples)
     deltas = []
     while engine.has_unfinished():
         deltas += engine.step()
@@ -110,9 +139,11 @@ def fault_lists() -> st.SearchStrategy[list[Fault]]:
         Fault,
         prompt=st.integers(0, len(PARAMS) - 1),
         sample=st.integers(0, 1),
-        stage=st.sampled_from(["sampling", "detokenizing"]),
+        stage=st.sampled_from(["sampling", "detokenizing", "logits"]),
         fail_at=st.integers(0, MAX_TOKENS - 1),
     ).map(lambda f: f._replace(sample=min(f.sample, PARAMS[f.prompt].n - 1)))
+    # a fork's first token comes from its leader's row: poison leaders' rows only
+    fault = fault.map(lambda f: f._replace(sample=0) if f.stage == "logits" else f)
     return st.lists(fault, min_size=1, max_size=2, unique_by=lambda f: f.prompt)
 
 
@@ -121,6 +152,7 @@ def fault_lists() -> st.SearchStrategy[list[Fault]]:
 )
 @given(faults=fault_lists(), chunk=st.sampled_from([8, 512]))
 @example(faults=[Fault(1, 1, "sampling", MAX_TOKENS - 1)], chunk=8)  # the leader ends first
+@example(faults=[Fault(1, 0, "logits", 0), Fault(3, 0, "logits", 4)], chunk=8)
 def test_a_fault_in_one_request_fails_it_alone(
     model_dir: Path, reference: dict[int, list[list[int]]], faults: list[Fault], chunk: int
 ) -> None:
@@ -143,7 +175,7 @@ def test_a_fault_in_one_request_fails_it_alone(
                 continue
             # every unfinished sample of a faulty request fails with it
             assert req.finish_reason == "error"
-            assert req.error is not None and faulty[i].stage in req.error
+            assert req.error is not None and ERROR_NAMES[faulty[i].stage] in req.error
     failed = sorted(d.request_id for d in deltas if d.finish_reason == "error")
     expected_failed = [r.rid for i in faulty for r in samples[i] if r.finish_reason == "error"]
     assert failed == sorted(expected_failed)
