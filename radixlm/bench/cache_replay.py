@@ -10,6 +10,11 @@ two are comparable on the same trace):
     cached += aligned(len(full)) - present
     with --inflight W: lock the inserted node, unlock it W requests later
 
+`--eviction` picks the L1 policy (lru | turn-credit | gdsf); `--l2-capacity` adds a simulated
+disk tier (bench/l2_sim.py) whose hits count separately. `--eval-from F` counts hits only over
+the requests after the first fraction F (tune on the head of a trace, report on its tail), and
+`--belady` adds, at the same capacity, LRU and Belady's clairvoyant hit rate (bench/belady.py)
+and the share of the LRU -> Belady gap that the chosen policy closes in RAM alone.
 Only tree operations are timed; slot ids are made outside the timed regions. requests/s is
 requests divided by the time spent in match + insert + evict + lock/unlock.
 """
@@ -26,7 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from radixlm.bench.belady import belady
+from radixlm.bench.l2_sim import KV_BYTES_PER_TOKEN, L2Sim
 from radixlm.bench.traces import TraceRequest
+from radixlm.cache.eviction import POLICIES
 from radixlm.cache.radix_tree import RadixTree, TreeNode
 
 
@@ -47,6 +55,12 @@ class ReplayResult:
     insert_s: list[float] = field(default_factory=list)
     evict_s: list[float] = field(default_factory=list)
     final_cached_tokens: int = 0
+    policy: str = "lru"
+    eval_start: int = 0  # first request counted in the eval_* counters
+    eval_prompt_tokens: int = 0
+    eval_hit_tokens: int = 0  # L1 hits over the eval requests
+    eval_l2_hit_tokens: int = 0
+    l2: L2Sim | None = None
 
     @property
     def total_s(self) -> float:
@@ -75,7 +89,32 @@ class ReplayResult:
             "inflight": self.inflight,
             "total_tree_s": round(total, 4),
             "final_cached_tokens": self.final_cached_tokens,
+            "eviction": self.policy,
+            **self._tier_summary(),
         }
+
+    def _tier_summary(self) -> dict[str, Any]:
+        """Hits over the eval requests by tier, and L2's traffic (over the whole replay)."""
+        total = max(1, self.eval_prompt_tokens)
+        hit = self.eval_hit_tokens + self.eval_l2_hit_tokens
+        out: dict[str, Any] = {
+            "eval_start": self.eval_start,
+            "eval_prompt_tokens": self.eval_prompt_tokens,
+            "eval_l1_hit_tokens": self.eval_hit_tokens,
+            "eval_l1_hit_rate": round(self.eval_hit_tokens / total, 4),
+            "eval_token_hit_rate": round(hit / total, 4),
+        }
+        if self.l2 is not None:
+            out |= {
+                "l2_capacity_tokens": self.l2.capacity,
+                "eval_l2_hit_tokens": self.eval_l2_hit_tokens,
+                "eval_l2_hit_rate": round(self.eval_l2_hit_tokens / total, 4),
+                "l2_bytes_written": self.l2.written_tokens * KV_BYTES_PER_TOKEN,
+                "l2_bytes_read": self.l2.read_tokens * KV_BYTES_PER_TOKEN,
+                "l2_rejected_tokens": self.l2.rejected_tokens,
+                "l2_evicted_tokens": self.l2.evicted_tokens,
+            }
+        return out
 
 
 def replay(
@@ -84,16 +123,23 @@ def replay(
     page_size: int = 1,
     inflight: int = 0,
     policy: str = "lru",
+    l2_capacity: int | None = None,
+    eval_start: int = 0,
 ) -> ReplayResult:
-    """Drive a fresh RadixTree with `requests` (see the module docstring); None = unbounded."""
+    """Drive a fresh RadixTree with `requests` (see the module docstring); None = unbounded.
+    With `l2_capacity`, L1 evictions feed a simulated L2 tier of that many tokens."""
     tree = RadixTree(page_size=page_size, policy=policy)
     prompt_tokens = sum(r.prompt_len for r in requests)
     res = ReplayResult(len(requests), prompt_tokens, capacity, page_size, inflight)
+    res.policy, res.eval_start = policy, eval_start
+    l2 = res.l2 = L2Sim(l2_capacity, tree.turns, page_size) if l2_capacity else None
+    if l2 is not None:
+        tree.eviction_listener = l2.on_l1_evict
     clock = time.perf_counter
     pinned: deque[TreeNode] = deque()
     cached = next_slot = 0
     gc.collect()
-    for request in requests:
+    for index, request in enumerate(requests):
         full = request.full
         aligned = len(full) // page_size * page_size
         slots = np.arange(next_slot, next_slot + len(full), dtype=np.int64)
@@ -103,6 +149,11 @@ def replay(
         hit = tree.match(prompt).length
         res.match_s.append(clock() - t0)
         res.hit_tokens += hit
+        l2_hit = l2.load(prompt, hit) if l2 is not None else 0
+        if index >= eval_start:
+            res.eval_prompt_tokens += request.prompt_len
+            res.eval_hit_tokens += hit
+            res.eval_l2_hit_tokens += l2_hit
         if capacity is not None and cached + aligned - hit > capacity:
             t0 = clock()
             freed = tree.evict(cached + aligned - hit - capacity).num_tokens
@@ -140,6 +191,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--inflight", type=int, default=0, metavar="N", help="keep the last N requests locked"
     )
+    parser.add_argument(
+        "--eviction", choices=sorted(POLICIES), default="lru", help="the L1 eviction policy"
+    )
+    parser.add_argument(
+        "--l2-capacity", type=int, metavar="TOKENS", help="add a simulated L2 (disk) tier"
+    )
+    parser.add_argument(
+        "--eval-from", type=float, default=0.0, metavar="F",
+        help="count hits only after the first fraction F of the requests (e.g. 0.6)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--belady", action="store_true",
+        help="with --capacity: also LRU and Belady's clairvoyant hit rate, and the gap closed",
+    )  # fmt: skip
+    parser.add_argument(
+        "--belady-block", type=int, default=512, metavar="N",
+        help="Belady's unit in tokens: the trace's sharing grain (512 for Mooncake blocks, "
+        "1 for token-id traces)",
+    )  # fmt: skip
     parser.add_argument("--json", metavar="OUT", help="write the results as one JSON object")
 
 
@@ -147,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from radixlm.bench.host import describe_host
     from radixlm.bench.traces import TraceError, load_trace
 
     console = Console()
@@ -160,8 +231,18 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, TraceError) as e:
         console.print(f"[red]error:[/] {e}")
         return 2
-    summary = replay(requests, args.capacity, args.page_size, args.inflight).summary()
+    if not 0.0 <= args.eval_from < 1.0 or (args.l2_capacity is not None and args.l2_capacity < 1):
+        console.print("[red]error:[/] --eval-from must be in [0, 1), --l2-capacity positive")
+        return 2
+    eval_start = int(args.eval_from * len(requests))
+    summary = replay(
+        requests, args.capacity, args.page_size, args.inflight,
+        args.eviction, args.l2_capacity, eval_start,
+    ).summary()  # fmt: skip
+    if args.belady and args.capacity:
+        summary |= _against_belady(requests, args, eval_start, summary["eval_l1_hit_rate"])
     summary["trace"] = args.trace
+    summary["host"] = describe_host()
     table = Table(title=f"radix tree replay of {args.trace}", show_header=False)
     for key, value in summary.items():
         table.add_row(key, str(value))
@@ -171,6 +252,22 @@ def run(args: argparse.Namespace) -> int:
             json.dump(summary, f, indent=1)
             f.write("\n")
     return 0
+
+
+def _against_belady(
+    requests: list[TraceRequest], args: argparse.Namespace, eval_start: int, l1_rate: float
+) -> dict[str, Any]:
+    """LRU and Belady at the same L1 capacity (RAM only) and the share of the gap closed."""
+    lru = replay(requests, args.capacity, args.page_size, args.inflight, "lru", None, eval_start)
+    lru_rate = lru.summary()["eval_l1_hit_rate"]
+    oracle = belady(requests, args.capacity, args.belady_block, eval_start)
+    belady_rate = round(oracle.hit_tokens / max(1, oracle.prompt_tokens), 4)
+    gap = belady_rate - lru_rate
+    return {
+        "lru_l1_hit_rate": lru_rate,
+        "belady_l1_hit_rate": belady_rate,
+        "gap_closed": round((l1_rate - lru_rate) / gap, 4) if gap > 0 else None,
+    }
 
 
 def _percentile_us(seconds: list[float], q: float) -> float:

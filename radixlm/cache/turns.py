@@ -19,6 +19,9 @@ from radixlm.cache.tree_node import TOKEN_BYTES, Namespace, TreeNode
 GHOST_TOKENS = 16  # tokens of an edge that identify it; shorter evicted edges leave no ghost
 MAX_GHOSTS = 1 << 16  # the oldest ghost is forgotten beyond this many
 
+MAX_TURN = 8  # turns counted separately for return rates; deeper ones count as this one
+MIN_SAMPLES = 64  # new conversations at a turn before its return rate is trusted
+
 GhostKey = tuple[Namespace, int, bytes]  # (namespace, depth where the edge starts, its tokens)
 
 
@@ -28,6 +31,7 @@ class TurnTracker:
     def __init__(self, max_ghosts: int = MAX_GHOSTS) -> None:
         self.max_ghosts = max_ghosts
         self._ghosts: dict[GhostKey, int] = {}
+        self.new_leaves = [0] * (MAX_TURN + 2)  # new leaves (sequences) per inferred turn
 
     def __len__(self) -> int:
         return len(self._ghosts)
@@ -37,7 +41,17 @@ class TurnTracker:
         first `pos` bytes are cached."""
         turn = parent.turn + 1 if 2 * pos >= len(buf) else 1
         ghost = self._ghosts.get(_key(namespace, pos, buf))
-        return turn if ghost is None else max(turn, ghost + 1)
+        if ghost is not None:
+            turn = max(turn, ghost + 1)
+        self.new_leaves[min(turn, MAX_TURN + 1)] += 1
+        return turn
+
+    def return_rate(self, turn: int) -> float | None:
+        """The share of sequences at `turn` that came back for another turn (measured: new
+        leaves one turn deeper over new leaves at it), or None before MIN_SAMPLES of them."""
+        turn = max(1, min(turn, MAX_TURN))
+        seen = self.new_leaves[turn]
+        return self.new_leaves[turn + 1] / seen if seen >= MIN_SAMPLES else None
 
     def evicted(self, node: TreeNode) -> None:
         """Leave a ghost of `node` (still attached: its path names the namespace). Leaves go

@@ -1,0 +1,78 @@
+"""The L2 (disk) tier as `bench cache` simulates it: which tokens it holds, hits, bytes moved.
+
+L1 is the replayed RadixTree. Each node it evicts that is *likely to come back* is written to
+L2 (admission: a node that had a hit, a conversation's second turn or later, or a first turn
+when at least `admit_rate` of first turns have come back so far: one-shot traffic never
+reaches the disk, chat traffic whose first turns often return does); L2 is a
+second tree over the same tokens with its own capacity and leaf-first LRU eviction. A request
+whose L1 match stops early and whose prompt continues in L2 reads that continuation back:
+those tokens are L2 hits (loaded, not recomputed). Writing a node writes the part of its path
+that L2 does not hold yet, so L2 stays prefix-closed, as the served tier must be to be useful.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from radixlm.cache.radix_tree import RadixTree, TreeNode
+from radixlm.cache.turns import TurnTracker
+
+# bf16 KV bytes per token of the default model (SmolLM2-135M): 30 layers x (K, V) x 3 KV heads
+# x head_dim 64 x 2 bytes.
+KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2
+
+
+class L2Sim:
+    """A simulated L2 tier of `capacity` tokens fed by an L1 tree's evictions."""
+
+    def __init__(
+        self, capacity: int, turns: TurnTracker, page_size: int = 1, admit_rate: float = 0.25
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"l2 capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.turns = turns  # the L1 tree's: its measured return rates drive admission
+        self.admit_rate = admit_rate
+        self.tree = RadixTree(page_size=page_size, policy="lru")
+        self._next_slot = 0
+        self.written_tokens = 0
+        self.read_tokens = 0
+        self.rejected_tokens = 0  # evicted from L1 but not admitted
+        self.evicted_tokens = 0
+
+    def admits(self, node: TreeNode) -> bool:
+        """Worth a disk write: likely to be read back (see the module)."""
+        if node.turn >= 2 or node.hits > 0:
+            return True
+        rate = self.turns.return_rate(node.turn)
+        return rate is not None and rate >= self.admit_rate
+
+    def on_l1_evict(self, node: TreeNode) -> None:
+        """The L1 tree's eviction listener: write `node` (and what L2 lacks of its path)."""
+        if not self.admits(node):
+            self.rejected_tokens += len(node.value)
+            return
+        path = _path_tokens(node)
+        slots = np.arange(self._next_slot, self._next_slot + len(path), dtype=np.int64)
+        self._next_slot += len(path)
+        present = self.tree.insert(path, slots).prefix_len
+        self.written_tokens += len(path) // self.tree.page_size * self.tree.page_size - present
+        over = self.tree.num_tokens - self.capacity
+        if over > 0:
+            self.evicted_tokens += self.tree.evict(over).num_tokens
+
+    def load(self, prompt: np.ndarray, l1_hit: int) -> int:
+        """Tokens of `prompt` after its L1 hit of `l1_hit` that L2 holds (read back)."""
+        l2_len = self.tree.match(prompt).length
+        extra = max(0, l2_len - l1_hit)
+        self.read_tokens += extra
+        return extra
+
+
+def _path_tokens(node: TreeNode) -> np.ndarray:
+    """The token ids from the root down to the end of `node`."""
+    keys: list[bytes] = []
+    while node.parent is not None:
+        keys.append(node.key)
+        node = node.parent
+    return np.frombuffer(b"".join(reversed(keys)), dtype=np.int64)
