@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from engine_helpers import GREEDY, assert_idle, make_engine, outputs, run, save_engine_model
 
-from radixlm.engine.engine import Engine
+from radixlm.engine.engine import Engine, ForwardError
 from radixlm.request import RequestOutput, SamplingParams
 
 
@@ -236,11 +236,13 @@ def _generate(engine: Engine, prompt: list[int], params: SamplingParams) -> Requ
     return _output(rid, samples)
 
 
-def test_a_failed_forward_pass_loses_no_slot(
+def test_a_failed_forward_pass_fails_its_requests_and_no_other(
     make_engine: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = make_engine(chunk_size=16, max_batch_tokens=32)
-    rids = [engine.add_request(list(range(10 + i, 50 + i)), GREEDY) for i in range(3)]
+    engine = make_engine(chunk_size=16, max_batch_tokens=32, max_running_requests=2)
+    prompts = [list(range(10 + i, 50 + i)) for i in range(3)]
+    rids = [engine.add_request(p, GREEDY) for p in prompts]
+    waiting = engine.requests(rids[2])[0]  # max_running_requests keeps it out of the pass
     forward, calls = engine.runner.forward, []
 
     def flaky(batch):  # type: ignore[no-untyped-def]
@@ -250,11 +252,16 @@ def test_a_failed_forward_pass_loses_no_slot(
         return forward(batch)
 
     monkeypatch.setattr(engine.runner, "forward", flaky)
-    with pytest.raises(RuntimeError, match="injected"):
+    with pytest.raises(ForwardError) as failure:
         for _ in range(5):
             engine.step()
-    deltas = engine.fail_all("internal error")
-    assert {d.request_id for d in deltas} == set(rids)
+    assert isinstance(failure.value.__cause__, RuntimeError)
+    assert sorted(failure.value.request_ids) == rids[:2]
+    deltas = engine.fail(failure.value.request_ids, "internal error")
+    assert sorted(d.request_id for d in deltas) == rids[:2]
     assert {d.finish_reason for d in deltas} == {"error"}
+    while engine.has_unfinished():  # the request outside the pass goes on
+        engine.step()
     assert_idle(engine)
-    assert outputs(run(engine, [[1, 2, 3]])) == outputs(run(make_engine(), [[1, 2, 3]]))
+    assert waiting.finish_reason == "length"
+    assert [waiting.output_ids] == outputs(run(make_engine(), [prompts[2]]))

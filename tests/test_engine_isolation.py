@@ -258,3 +258,43 @@ def test_the_failing_stream_ends_with_an_error_and_the_others_finish(
         for index in range(params.n):
             got = [t for d in deltas if d.index == index for t in d.token_ids]
             assert got == references[index]
+
+
+def test_a_failed_forward_pass_through_the_async_engine_spares_the_rest(
+    model_dir: Path, reference: dict[int, list[list[int]]]
+) -> None:
+    """A forward pass that raises fails the requests in it; one waiting outside it (the running
+    cap is 1) still finishes with its reference tokens."""
+
+    def build() -> Engine:
+        engine = make_engine(model_dir, max_running_requests=1)
+        forward = engine.runner.forward
+
+        def broken_for_the_first(batch: ForwardBatch) -> torch.Tensor:
+            if engine.scheduler.running[0].rid == "first":
+                raise RuntimeError("injected forward fault")
+            return forward(batch)
+
+        engine.runner.forward = broken_for_the_first  # type: ignore[method-assign]
+        return engine
+
+    async def collect(rid: str, prompt: list[int]) -> list[StreamDelta]:
+        return [d async for d in async_engine.generate(prompt, PARAMS[0], request_id=rid)]
+
+    async def serve() -> list[list[StreamDelta]]:
+        results = await asyncio.gather(
+            collect("first", prompts()[3]), collect("second", prompts()[0])
+        )
+        await async_engine.call(assert_idle)
+        return results
+
+    async_engine = AsyncEngine(build)
+    async_engine.start()
+    try:
+        first, second = asyncio.run(serve())
+    finally:
+        async_engine.shutdown()
+    assert [(d.finish_reason, d.token_ids) for d in first] == [("error", [])]
+    assert first[0].error is not None and "forward pass" in first[0].error
+    assert [t for d in second for t in d.token_ids] == reference[512][0]
+    assert second[-1].finish_reason == "length"

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from engine_helpers import assert_idle, make_engine, outputs, run, save_engine_model
 
-from radixlm.engine.engine import Engine
+from radixlm.engine.engine import Engine, ForwardError
 from radixlm.request import Request, SamplingParams
 
 KV_FIELDS = {"node", "slots", "cached_len", "num_computed", "forks"}  # forks: who waits on it
@@ -106,8 +106,10 @@ def fail_a_forward_pass(engine: Engine, prompts: list[list[int]]) -> None:
         raise RuntimeError("injected forward fault")
 
     engine.runner.forward = broken  # type: ignore[method-assign]
-    with pytest.raises(RuntimeError, match="injected"):
+    with pytest.raises(ForwardError) as failure:
         engine.step()
     engine.runner.forward = forward  # type: ignore[method-assign]
-    engine.fail_all("internal error")
+    engine.fail(failure.value.request_ids, "internal error")
+    while engine.has_unfinished():
+        engine.step()
     assert_idle(engine)

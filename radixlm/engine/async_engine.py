@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from radixlm.engine.engine import Engine
+from radixlm.engine.engine import Engine, ForwardError
 from radixlm.request import SamplingParams, StreamDelta
 
 log = logging.getLogger(__name__)
@@ -155,6 +155,11 @@ class AsyncEngine:
                 continue
             try:
                 deltas = self.engine.step()
+            except ForwardError as exc:  # fails the requests in that pass, not the others
+                log.exception(
+                    "a forward pass failed; failing its %d requests", len(exc.request_ids)
+                )
+                deltas = self.engine.fail(exc.request_ids, "internal error in the forward pass")
             except Exception:
                 log.exception("engine step failed; failing the running requests")
                 deltas = self.engine.fail_all("internal error in the engine step")

@@ -19,7 +19,8 @@ Slot ownership over a request's life (the prefix cache keeps the account, the sc
 Failures: an error that belongs to one request (its sampling state or logits row, its
 detokenizer or stop checks) fails that request alone, all its samples, with finish_reason
 "error", and the step goes on for the others; a failed forward pass belongs to every request in
-it (its caller fails them all with `fail_all`). Either way every slot comes back.
+it (step raises ForwardError naming them; its caller fails them with `fail`, and the requests
+outside it go on). Either way every slot comes back.
 """
 
 from __future__ import annotations
@@ -61,6 +62,15 @@ class EngineStats:
 
 class QueueFullError(RuntimeError):
     """The waiting queue holds SchedulerConfig.max_waiting_requests: come back later."""
+
+
+class ForwardError(RuntimeError):
+    """The model's forward pass raised. `request_ids` were in it; the step's slots are back,
+    and the caller decides their fate (`fail` them: the requests outside the pass go on)."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        super().__init__(f"the forward pass of {len(request_ids)} requests failed")
+        self.request_ids = request_ids
 
 
 class Engine:
@@ -116,6 +126,10 @@ class Engine:
         """Stop a request at any stage; every slot it held is freed or handed to the tree."""
         return self._stop(request_id, "abort")
 
+    def fail(self, request_ids: Sequence[str], error: str) -> list[StreamDelta]:
+        """Stop these requests with finish_reason "error" (after a ForwardError)."""
+        return [d for rid in dict.fromkeys(request_ids) for d in self._stop(rid, "error", error)]
+
     def fail_all(self, error: str, reason: str = "error") -> list[StreamDelta]:
         """Stop every unfinished request (after an internal error, or at shutdown)."""
         return [d for rid in list(self._requests) for d in self._stop(rid, reason, error)]
@@ -154,6 +168,9 @@ class Engine:
         batch = _prepare_batch(plan.scheduled, self.runner.device)
         try:
             logits = self.runner.forward(batch)  # (R, vocab): the last new token of each request
+        except Exception as exc:
+            self.scheduler.cancel(plan.scheduled)
+            raise ForwardError([s.req.rid for s in plan.scheduled]) from exc
         except BaseException:
             self.scheduler.cancel(plan.scheduled)
             raise
