@@ -126,10 +126,14 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Build the next step (see the module docstring). Mutates the queues, the requests
+        admitted or retracted, and the cache (alloc, and match + lock for admissions)."""
         out = SchedulerOutput()
         budget = self.config.max_batch_tokens
         scheduled: set[int] = set()
-        for req in [r for r in self.running if r.remaining_len == 1]:  # decode, oldest first
+        # One token left first, oldest first: decodes (and prefills down to their last token;
+        # ScheduledRequest.is_decode tells the two apart).
+        for req in [r for r in self.running if r.remaining_len == 1]:
             if budget == 0:
                 break
             if req.state is RequestState.RUNNING and self._extend(req, 1, out, scheduled):
