@@ -1,0 +1,139 @@
+"""The L2 page file: one preallocated file of fixed pages of KV on local disk.
+
+A page holds the KV of `page_tokens` consecutive tokens (all layers, contiguous) behind a small
+header. Pages are read and written with positional I/O (os.pread / os.pwrite) from a small
+thread pool, so the engine thread never blocks on the disk and the file is never mmapped (a
+mapped pool would fault inside the kernels and write back every KV store).
+
+    offset = page * page_bytes
+    [ magic 4 | payload length 4 | key 16 | checksum 16 | pad to 64 ][ payload ........ ]
+
+Nothing read back is trusted: the key is a digest of the file's fingerprint (model, dtype,
+layout), the namespace (cache salt) and every token id up to the end of the page, and the
+checksum covers the key and the payload. A page whose magic, key or checksum does not match is
+a miss (None), so a torn write, a corrupted sector or a file from another model is recomputed,
+never served. The file is reinitialised when opened (no pages survive a restart).
+
+Invariant: every page index is either on the free list or allocated, never both;
+`num_free + num_allocated == num_pages`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from radixlm.cache.tree_node import Namespace
+
+MAGIC = b"RLM2"
+HEADER_BYTES = 64
+KEY_BYTES = 16
+
+
+class L2Error(OSError):
+    """The page file cannot be created or used; the caller runs without L2."""
+
+
+def page_key(
+    fingerprint: bytes, namespace: Namespace, tokens: np.ndarray, prev: bytes | None = None
+) -> bytes:
+    """The key of the page ending after `tokens`: chained, so `prev` (the key of the page before,
+    None for the first) stands for every earlier token. int64 token ids."""
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    if prev is None:
+        h.update(fingerprint)
+        h.update(b"\0" if namespace is None else b"\1" + namespace.encode())
+    else:
+        h.update(prev)
+    h.update(np.ascontiguousarray(tokens, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+class L2PageFile:
+    """A fixed number of fixed-size pages in one file (see the module docstring)."""
+
+    def __init__(
+        self, path: str, num_pages: int, payload_bytes: int, fingerprint: bytes, threads: int = 2
+    ) -> None:
+        if num_pages < 1 or payload_bytes < 1:
+            raise ValueError("num_pages and payload_bytes must be >= 1")
+        self.path = path
+        self.num_pages = num_pages
+        self.payload_bytes = payload_bytes
+        self.page_bytes = HEADER_BYTES + payload_bytes
+        self.fingerprint = fingerprint
+        try:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.ftruncate(self._fd, num_pages * self.page_bytes)  # sparse: no blocks until written
+        except OSError as e:
+            raise L2Error(f"L2 page file {path}: {e.strerror or e}") from e
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
+        self._lock = threading.Lock()  # guards the free list (I/O threads never touch it)
+        self._io = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="l2-io")
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        """A free page index, or None when every page is allocated."""
+        with self._lock:
+            return self._free.pop() if self._free else None
+
+    def free(self, page: int) -> None:
+        """Return `page` to the free list; its old contents stay until overwritten."""
+        with self._lock:
+            self._free.append(page)
+
+    def write(self, page: int, key: bytes, payload: bytes) -> Future[None]:
+        """Store `payload` under `key` in `page` (off the calling thread). A failed write (disk
+        full) raises from the future's result; the caller then frees the page."""
+        if len(payload) > self.payload_bytes or len(key) != KEY_BYTES:
+            raise ValueError("payload too large for a page, or a malformed key")
+        header = _header(key, payload)
+        return self._io.submit(self._pwrite, page, header + payload)
+
+    def read(self, page: int, key: bytes) -> Future[bytes | None]:
+        """The payload of `page` if it holds `key` intact, else None (a miss)."""
+        return self._io.submit(self._pread, page, key)
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True)
+        os.close(self._fd)
+
+    def _pwrite(self, page: int, data: bytes) -> None:
+        offset = page * self.page_bytes
+        written = os.pwrite(self._fd, data, offset)
+        while written < len(data):  # a short write continues where it stopped
+            written += os.pwrite(self._fd, data[written:], offset + written)
+
+    def _pread(self, page: int, key: bytes) -> bytes | None:
+        try:
+            header = os.pread(self._fd, HEADER_BYTES, page * self.page_bytes)
+        except OSError:
+            return None
+        if len(header) < HEADER_BYTES or header[:4] != MAGIC or header[8:24] != key:
+            return None
+        length = int.from_bytes(header[4:8], "little")
+        if length > self.payload_bytes:
+            return None
+        try:
+            payload = os.pread(self._fd, length, page * self.page_bytes + HEADER_BYTES)
+        except OSError:
+            return None
+        if len(payload) != length or _checksum(key, payload) != header[24:40]:
+            return None
+        return payload
+
+
+def _checksum(key: bytes, payload: bytes) -> bytes:
+    return hashlib.blake2b(key + payload, digest_size=16).digest()
+
+
+def _header(key: bytes, payload: bytes) -> bytes:
+    head = MAGIC + len(payload).to_bytes(4, "little") + key + _checksum(key, payload)
+    return head.ljust(HEADER_BYTES, b"\0")
