@@ -106,6 +106,7 @@ class ServerConfig:
     max_concurrent_tokenizations: int = 2  # prompts tokenized at once (threads)
     max_queued_tokenizations: int = 64  # more waiting than this is a 503
     metrics_snapshot_ttl_s: float = 1.0  # /metrics reuses an engine snapshot this young
+    cache_page_text: bool = False  # /cache and /v1/cache/tree show token text (prompts: private)
 
     def __post_init__(self) -> None:
         if not self.host:

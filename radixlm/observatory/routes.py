@@ -1,4 +1,5 @@
-"""HTTP: `GET /v1/cache/report` (the misses' summary) and the `cache_report` a chat response
+"""HTTP: `GET /v1/cache/report` (the misses' summary), `GET /v1/cache/tree` (the tree as a
+bounded picture), `GET /cache` (the page drawing both), and the `cache_report` a chat response
 carries when its request set `return_cache_report`.
 
 A non-streamed response gets a top-level "cache_report" object; a stream gets it in its first
@@ -12,11 +13,13 @@ import json
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import APIRouter, Query
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from radixlm.observatory.explain import CacheReport
+from radixlm.observatory.page import CACHE_PAGE
 from radixlm.observatory.service import Observatory
+from radixlm.server.errors import APIError
 
 
 def observatory_router(observatory: Observatory) -> APIRouter:
@@ -25,6 +28,16 @@ def observatory_router(observatory: Observatory) -> APIRouter:
     @router.get("/v1/cache/report")
     async def cache_report() -> JSONResponse:
         return JSONResponse(observatory.misses.summary())
+
+    @router.get("/v1/cache/tree")
+    async def cache_tree(max_nodes: int = Query(400, ge=1, le=5000)) -> JSONResponse:
+        if not observatory.engine.is_running:
+            raise APIError(503, "The engine is not running")
+        return JSONResponse(await observatory.tree_picture(max_nodes))
+
+    @router.get("/cache")
+    async def cache_page() -> HTMLResponse:
+        return HTMLResponse(CACHE_PAGE)
 
     return router
 

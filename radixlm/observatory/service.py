@@ -24,6 +24,7 @@ from radixlm.observatory.explain import CacheReport, explain, text_decoder
 from radixlm.observatory.probe import TreeProbe, probe_tree
 from radixlm.observatory.report import MissLog
 from radixlm.observatory.segments import chat_segments
+from radixlm.observatory.tree_view import tree_picture
 
 
 class MissCounter(Protocol):
@@ -33,18 +34,23 @@ class MissCounter(Protocol):
 
 
 class Observatory:
-    def __init__(self, engine: AsyncEngine, counter: MissCounter | None = None) -> None:
+    def __init__(
+        self, engine: AsyncEngine, counter: MissCounter | None = None, show_text: bool = False
+    ) -> None:
         self.engine = engine
         self.counter = counter
+        self.show_text = show_text  # the tree picture carries token text (prompts are private)
         self.evictions = EvictionLog()
         self.misses = MissLog()
         self.decode = text_decoder(engine.tokenizer.hf_tokenizer)
 
     @classmethod
-    def attach(cls, engine: AsyncEngine, counter: MissCounter | None = None) -> Observatory:
+    def attach(
+        cls, engine: AsyncEngine, counter: MissCounter | None = None, show_text: bool = False
+    ) -> Observatory:
         """An observatory whose eviction record listens to the engine's tree (a cache without
         a tree, the ablation's, has nothing to record or explain)."""
-        observatory = cls(engine, counter)
+        observatory = cls(engine, counter, show_text)
         tree = getattr(engine.engine.cache, "tree", None)
         if tree is not None:
             tree.eviction_listener = observatory.evictions.record
@@ -72,6 +78,23 @@ class Observatory:
         if self.counter is not None:
             self.counter.observe_cache_report(report.reason, report.lost_tokens)
         return report
+
+    async def tree_picture(self, max_nodes: int) -> dict[str, Any]:
+        """The tree as `tree_view.tree_picture` draws it (empty without a tree); token text
+        decoded here, outside the engine thread, and only when `show_text` is on."""
+
+        def take(engine: Engine) -> dict[str, Any]:
+            tree = getattr(engine.cache, "tree", None)
+            if tree is None:
+                return {"num_nodes": 0, "num_tokens": 0, "nodes": []}
+            return tree_picture(tree, max_nodes, with_tokens=self.show_text)
+
+        picture = await self.engine.call(take)
+        for node in picture["nodes"]:
+            head = node.pop("head", None)
+            if head is not None:
+                node["text"] = self.decode(head)
+        return picture
 
     def _probe(
         self, engine: Engine, prompt: Sequence[int], namespace: str | None

@@ -3,7 +3,8 @@
     /health, /metrics                      open (liveness probes and Prometheus need no key)
     /v1/models, /v1/completions,
     /v1/chat/completions, /v1/cache,
-    /v1/cache/flush, /v1/cache/report      behind `Authorization: Bearer KEY` when keys are set
+    /v1/cache/flush, /v1/cache/report,
+    /v1/cache/tree, /cache (the tree page) behind `Authorization: Bearer KEY` when keys are set
 
 Around the routes, outermost first: the request counter (every response is counted, 500s and
 413s included), `ErrorMiddleware` (an unexpected exception is one logged 500) and
@@ -43,6 +44,8 @@ ROUTES = frozenset(
         "/v1/cache",
         "/v1/cache/flush",
         "/v1/cache/report",
+        "/v1/cache/tree",
+        "/cache",
     }
 )
 

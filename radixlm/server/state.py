@@ -54,7 +54,7 @@ class ServerState:
             Admission(core.tokenizer, limits, config),
             Tenancy(config),
             SnapshotCache(config.metrics_snapshot_ttl_s),
-            Observatory.attach(engine, metrics),
+            Observatory.attach(engine, metrics, config.cache_page_text),
             metrics,
         )
 
