@@ -91,7 +91,7 @@ def explain(
         cached_len=cached,
         lost_tokens=lost,
         segment=segment.label if segment else None,
-        segment_kind=segments.kinds[segment.label] if segment and segments else None,
+        segment_kind=segment.kind if segment else None,
         before=prefix[-WINDOW:],
         after=rest[:WINDOW],
         tree_after=tree[:WINDOW] if tree is not None else None,

@@ -28,6 +28,13 @@ class Segment:
     start: int  # character offsets in the rendered prompt, [start, end)
     end: int
 
+    @property
+    def kind(self) -> str:
+        """The label without the message number ("user.content"), for grouping."""
+        if self.role is None:
+            return self.label
+        return f"{self.role}.{self.label.rsplit('.', 1)[1]}"
+
 
 @dataclass(frozen=True)
 class SegmentMap:
@@ -41,12 +48,7 @@ class SegmentMap:
         for segment in self.segments:
             if offset < segment.end:
                 return segment
-        return self.segments[-1]
-
-    @property
-    def kinds(self) -> dict[str, str]:
-        """label -> a label without the message number ("user.content"), for grouping."""
-        return {s.label: _kind(s) for s in self.segments}
+        return self.segments[-1] if self.segments else Segment("prompt", None, 0, len(self.text))
 
 
 def chat_segments(
@@ -140,9 +142,3 @@ def _tools_region(text: str, tools: Sequence[ToolSpec]) -> tuple[int, int] | Non
     start = text.rfind("\n", 0, first) + 1
     end = text.find("\n", last)
     return start, len(text) if end < 0 else end
-
-
-def _kind(segment: Segment) -> str:
-    if segment.role is None:
-        return segment.label
-    return f"{segment.role}.{segment.label.rsplit('.', 1)[1]}"

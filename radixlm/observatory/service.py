@@ -12,6 +12,7 @@ rendering segments and decoding text run on a worker thread, so the event loop s
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -25,6 +26,8 @@ from radixlm.observatory.probe import TreeProbe, probe_tree
 from radixlm.observatory.report import MissLog
 from radixlm.observatory.segments import chat_segments
 from radixlm.observatory.tree_view import tree_picture
+
+log = logging.getLogger(__name__)
 
 
 class MissCounter(Protocol):
@@ -73,7 +76,11 @@ class Observatory:
             segments = chat_segments(renderer, messages, tools)
             return explain(probe, prompt, self.decode, segments)
 
-        report = await asyncio.to_thread(analyse)
+        try:
+            report = await asyncio.to_thread(analyse)
+        except Exception:  # a report is a diagnosis: it never fails the request it describes
+            log.exception("cache report failed")
+            return None
         self.misses.add(report)
         if self.counter is not None:
             self.counter.observe_cache_report(report.reason, report.lost_tokens)
