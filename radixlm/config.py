@@ -43,6 +43,8 @@ class CacheConfig:
     cache: CacheKind = "radix"  # "none" never reuses KV (the ablation)
     kv_dtype: DType | None = None  # None = the model's dtype
     eviction: Eviction = "lru"  # which unlocked leaf goes first (radixlm/cache/eviction.py)
+    l2_dir: str | None = None  # a directory for the L2 page file; None = no L2 tier
+    l2_capacity: int = 1 << 20  # tokens of KV the L2 page file holds (64-token pages)
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
@@ -51,6 +53,8 @@ class CacheConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.cache not in ("radix", "none"):
             raise ValueError(f"cache must be 'radix' or 'none', got {self.cache!r}")
+        if self.l2_capacity < 64:
+            raise ValueError(f"l2_capacity must be >= 64 tokens, got {self.l2_capacity}")
         if self.eviction not in ("lru", "turn-credit", "gdsf"):
             raise ValueError(
                 f"eviction must be 'lru', 'turn-credit' or 'gdsf', got {self.eviction!r}"

@@ -322,7 +322,14 @@ class NoCache(PrefixCache):
 
 
 def create_prefix_cache(config: CacheConfig, pool: SlotPool) -> PrefixCache:
-    """The cache named by `config.cache` ("radix" or "none") over `pool`."""
+    """The cache named by `config.cache` ("radix" or "none") over `pool`; with `l2_dir`, the
+    radix cache gets an L2 tier (cache/tiered_cache.py), or none if its file cannot be made."""
+    if config.cache == "radix" and config.l2_dir is not None:
+        from radixlm.cache.tiered_cache import open_tiered_cache
+
+        tiered = open_tiered_cache(config, pool)
+        if tiered is not None:
+            return tiered
     if config.cache == "radix":
         return RadixCache(pool, page_size=config.page_size, policy=config.eviction)
     return NoCache(pool)

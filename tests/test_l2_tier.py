@@ -1,0 +1,87 @@
+"""The served L2 tier on a tiny model: with a pool so small that a conversation's KV leaves RAM
+between its turns, its pages go to disk and come back, and greedy outputs are identical with L2
+on, L2 off and the cache off; a corrupted page file is recomputed, never served."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+from engine_helpers import assert_idle, outputs, run, save_engine_model
+
+from radixlm.cache.tiered_cache import TieredRadixCache
+from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
+from radixlm.engine.engine import Engine
+
+NUM_SLOTS = 400  # one conversation (~330 tokens at its third turn) and little else
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("l2-model")
+    save_engine_model(path)
+    return path
+
+
+def engine(model_dir: Path, cache: str = "radix", l2_dir: Path | None = None) -> Engine:
+    return Engine(
+        ModelConfig(path=str(model_dir), num_threads=1),
+        CacheConfig(
+            num_slots=NUM_SLOTS,
+            cache=cache,  # type: ignore[arg-type]
+            l2_dir=None if l2_dir is None else str(l2_dir),
+            l2_capacity=4096,
+        ),
+        SchedulerConfig(),
+    )
+
+
+def script(eng: Engine, corrupt: Path | None = None) -> list[list[int]]:
+    """Conversation A for three turns with fillers between its turns, each filler big enough
+    to push A out of the pool; returns every output. `corrupt`: the page file to scribble over
+    before the third turn."""
+    rng = random.Random(7)
+    words = lambda n: [rng.randrange(1, 250) for _ in range(n)]  # noqa: E731
+    fillers = [words(300) for _ in range(2)]
+    prompt, outs = words(120), []
+    for turn in range(3):
+        out = outputs(run(eng, [prompt]))[0]
+        outs.append(out)
+        outs.append(outputs(run(eng, [fillers[turn % 2]]))[0])
+        if turn == 1 and corrupt is not None:  # every page written so far
+            with open(corrupt, "r+b") as f:
+                f.write(os.urandom(os.path.getsize(corrupt)))
+        prompt = prompt + out + words(40)
+    return outs
+
+
+def test_pages_go_to_disk_and_come_back_with_identical_outputs(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    reference = script(engine(model_dir, cache="none"))
+    assert script(engine(model_dir)) == reference
+    tiered = engine(model_dir, l2_dir=tmp_path)
+    cache = tiered.cache
+    assert isinstance(cache, TieredRadixCache)
+    assert script(tiered) == reference
+    assert cache.l2_written_pages > 0 and cache.l2_hit_tokens >= 128  # turn 3 read turn 2's
+    assert cache.l2_bad_pages == 0
+    assert_idle(tiered)  # check_integrity: slots and the page account
+
+
+def test_a_corrupted_page_file_is_recomputed(model_dir: Path, tmp_path: Path) -> None:
+    reference = script(engine(model_dir, cache="none"))
+    tiered = engine(model_dir, l2_dir=tmp_path)
+    cache = tiered.cache
+    assert isinstance(cache, TieredRadixCache)
+    assert script(tiered, corrupt=tmp_path / "l2.pages") == reference
+    assert cache.l2_bad_pages > 0 and cache.l2_hit_tokens == 0
+    assert_idle(tiered)
+
+
+def test_an_unusable_l2_directory_runs_without_l2(model_dir: Path, tmp_path: Path) -> None:
+    eng = engine(model_dir, l2_dir=tmp_path / "missing")
+    assert not isinstance(eng.cache, TieredRadixCache)
+    assert outputs(run(eng, [[5, 6, 7]]))
