@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 NPROC  := $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: run test lint typecheck pytest kernels bench-cache clean
+.PHONY: run test lint typecheck pytest kernels bench-cache browser clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ typecheck: $(STAMP)
 
 pytest: kernels
 	$(PY) -m pytest -q
+
+# Debian's chromium, for the /cache page's browser test (skipped when it is not installed).
+browser:
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

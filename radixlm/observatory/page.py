@@ -22,6 +22,8 @@ td, th { padding: 2px 8px; border-bottom: 1px solid #eee; text-align: left; }
 </style></head><body>
 <h1>radixlm cache</h1>
 <div id="stats">loading...</div>
+<div>orange: locked by a running request &middot; red: next to be evicted &middot;
+grey: small subtrees, aggregated &middot; blue: fades with time since last use</div>
 <svg id="tree" width="1200" height="200"></svg>
 <h2>Misses (requests that asked for a cache report)</h2>
 <div id="misses"></div>
@@ -75,14 +77,16 @@ function draw(tree) {
   for (const n of tree.nodes) {
     const p = n.parent === null ? null : byId.get(n.parent);
     if (p) el("line", {x1: p.x, y1: p.y, x2: n.x0, y2: n.y}, svg);
-    const r = el("rect", {class: "node", x: n.x0, y: n.y - 6, height: 12,
-      width: Math.max(3, n.x - n.x0), fill: color(n, clock)}, svg);
+    const width = Math.max(3, n.x - n.x0);
+    const r = el("rect", {class: "node", x: n.x0, y: n.y - 6, height: 12, width,
+      fill: color(n, clock)}, svg);
     el("title", {}, r).textContent = n.aggregate
       ? `${n.count} more branches, ${n.tokens} tokens on their edges`
       : `${n.tokens} tokens, depth ${n.depth}, locks ${n.lock_ref}` +
         (n.hits !== undefined ? `, hits ${n.hits}` : "") + (n.next_evicted ? ", next evicted" : "");
-    const label = n.aggregate ? `+${n.count}` : (n.text !== undefined ? n.text : "");
-    if (label) el("text", {x: n.x0 + 2, y: n.y + 3}, svg).textContent = label.slice(0, 40);
+    // a label only where it fits its box (about 6 px a character), aggregates always
+    const label = n.aggregate ? `+${n.count}` : (n.text || "").slice(0, Math.floor(width / 6));
+    if (label.length > 1) el("text", {x: n.x0 + 2, y: n.y + 3}, svg).textContent = label;
   }
   updates += 1;
   document.getElementById("stats").textContent =
