@@ -4,6 +4,8 @@ on, L2 off and the cache off; a corrupted page file is recomputed, never served.
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import random
 from pathlib import Path
@@ -57,10 +59,14 @@ def script(eng: Engine, corrupt: Path | None = None) -> list[list[int]]:
     return outs
 
 
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> list[list[int]]:
+    return script(engine(model_dir, cache="none"))
+
+
 def test_pages_go_to_disk_and_come_back_with_identical_outputs(
-    model_dir: Path, tmp_path: Path
+    model_dir: Path, tmp_path: Path, reference: list[list[int]]
 ) -> None:
-    reference = script(engine(model_dir, cache="none"))
     assert script(engine(model_dir)) == reference
     tiered = engine(model_dir, l2_dir=tmp_path)
     cache = tiered.cache
@@ -71,8 +77,9 @@ def test_pages_go_to_disk_and_come_back_with_identical_outputs(
     assert_idle(tiered)  # check_integrity: slots and the page account
 
 
-def test_a_corrupted_page_file_is_recomputed(model_dir: Path, tmp_path: Path) -> None:
-    reference = script(engine(model_dir, cache="none"))
+def test_a_corrupted_page_file_is_recomputed(
+    model_dir: Path, tmp_path: Path, reference: list[list[int]]
+) -> None:
     tiered = engine(model_dir, l2_dir=tmp_path)
     cache = tiered.cache
     assert isinstance(cache, TieredRadixCache)
@@ -85,3 +92,21 @@ def test_an_unusable_l2_directory_runs_without_l2(model_dir: Path, tmp_path: Pat
     eng = engine(model_dir, l2_dir=tmp_path / "missing")
     assert not isinstance(eng.cache, TieredRadixCache)
     assert outputs(run(eng, [[5, 6, 7]]))
+
+
+def test_a_full_disk_is_logged_and_recomputed(
+    model_dir: Path, tmp_path: Path, reference: list[list[int]], caplog: pytest.LogCaptureFixture
+) -> None:
+    tiered = engine(model_dir, l2_dir=tmp_path)
+    cache = tiered.cache
+    assert isinstance(cache, TieredRadixCache)
+
+    def full(page: int, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    cache.l2._pwrite = full  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING):
+        assert script(tiered) == reference
+    assert cache.l2_written_pages > 0 and cache.l2_bad_pages > 0 and cache.l2_hit_tokens == 0
+    assert "L2 page write failed" in caplog.text
+    assert_idle(tiered)
