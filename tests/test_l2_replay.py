@@ -112,3 +112,23 @@ def test_cli_reports_tiers_and_the_gap(tmp_path: Path) -> None:
     assert s["belady_l1_hit_rate"] >= s["lru_l1_hit_rate"] and "gap_closed" in s
     assert set(s["host"]) >= {"cpu", "cores"}
     assert main([*args, "--eval-from", "1.5"]) == 2
+
+
+def test_first_turns_are_written_only_once_enough_of_them_come_back() -> None:
+    rng = np.random.default_rng(0)
+    one_shot = [request(rng.integers(1 << 20, 1 << 40, 80).tolist()) for _ in range(200)]
+    s = replay(one_shot, capacity=400, l2_capacity=10_000).summary()
+    assert s["l2_bytes_written"] == 0 and s["l2_rejected_tokens"] > 0  # no return: no writes
+    # half of 100 conversations come back 15 conversations later, long after L1 dropped them:
+    # once 64 first turns were seen (the rate is trusted) first turns are admitted, and the
+    # second turns of the later conversations hit L2
+    chats = []
+    for c in range(100):
+        chats.append(request(turn(c, 1)))
+        if c >= 15 and c % 2:
+            chats.append(request(turn(c - 15, 2)))
+    tiered = replay(chats, capacity=400, l2_capacity=100_000)
+    assert tiered.l2 is not None
+    rate = tiered.l2.turns.return_rate(1)
+    assert rate is not None and rate >= 0.25
+    assert tiered.summary()["eval_l2_hit_tokens"] > 0
