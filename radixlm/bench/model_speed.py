@@ -38,7 +38,13 @@ from radixlm.model.transformer import CausalLM
 
 Timer = Callable[[], float]  # runs once, returns seconds
 # environment variables that choose the paths measured (recorded in the JSON when set)
-ENV_KEYS = ("RADIXLM_ISA", "RADIXLM_NATIVE", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+ENV_KEYS = (
+    "RADIXLM_ISA",
+    "RADIXLM_NATIVE",
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+    "MKL_ENABLE_INSTRUCTIONS",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
