@@ -118,3 +118,28 @@ def test_another_salt(tokenizer) -> None:  # type: ignore[no-untyped-def]
     report = replay.request({**body, "cache_salt": "tenant-b"})
     assert report.reason == "salt" and report.cached_len == 0
     assert report.lost_tokens == report.prompt_len - 1
+
+
+def test_tool_call_sent_back_re_serialized(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The model wrote its call's arguments one way; the client sends them back compacted."""
+    replay = PromptReplay(tokenizer)
+    first = chat(("system", SYSTEM), ("user", "Look up radix trees"), tools=TOOLS)
+    said = '<tool_call>\n{"name": "search", "arguments": {"q": "radix trees"}}\n</tool_call>'
+    replay.request({**first, "response": said})
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "search", "arguments": '{"q":"radix trees"}'}}  # fmt: skip
+    second = {
+        **first,
+        "messages": [
+            *first["messages"],
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "A radix tree is a trie."},
+        ],
+    }
+    report = replay.request(second)
+    assert report.reason == "different_previous_turn"
+    assert (
+        report.segment == "messages[2].tool_calls" and report.segment_kind == "assistant.tool_calls"
+    )
+    assert report.before.endswith('"arguments": {"q":') and report.after.startswith('"radix')
+    assert (report.tree_after or "").startswith(' "radix')

@@ -62,8 +62,8 @@ def chat_segments(
     nonce = secrets.token_hex(8)
     close = f"\ue002{nonce}\ue003"
     marked = []
-    for i, m in enumerate(checked):
-        content = m["content"]
+    for i, (raw, m) in enumerate(zip(messages, checked)):
+        content = m["content"]  # flattened; the rest of the message stays as the client sent it
         if content:  # the template trims nothing inside the marks: edges stay outside them
             core = content.strip()
             lead, trail = (
@@ -71,7 +71,7 @@ def chat_segments(
                 content[len(content.rstrip()) :],
             )
             content = f"{lead}\ue000{nonce}{i}\ue001{core}{close}{trail}" if core else content
-        marked.append({**m, "content": content})
+        marked.append({**raw, "content": content})
     rendered = renderer.render(marked, tools)
     pattern = re.compile(f"\ue000{nonce}(\\d+)\ue001|{re.escape(close)}")
     pieces: list[str] = []
@@ -101,15 +101,14 @@ def _cover(
     """Segments covering all of `text`: each content span, the header before it (template text
     up to the content) and the tools region cut out of whichever segment holds it."""
     out: list[Segment] = []
-    pos = 0
+    pos, previous = 0, 0
     for i, start, end in spans:
-        role = checked[i]["role"]
         if pos < start:
-            out.append(Segment(f"messages[{i}].header", role, pos, start))
-        out.append(Segment(f"messages[{i}].content", role, start, end))
-        pos = end
+            out.append(_between(text, checked, previous, i, pos, start))
+        out.append(Segment(f"messages[{i}].content", checked[i]["role"], start, end))
+        pos, previous = end, i
     if pos < len(text):
-        out.append(Segment("generation_prompt", None, pos, len(text)))
+        out.append(_between(text, checked, previous, len(checked), pos, len(text)))
     region = _tools_region(text, tools)
     if region is None:
         return out
@@ -129,6 +128,20 @@ def _cover(
         if s.end > b:
             cut.append(Segment(s.label, s.role, b, s.end))
     return cut
+
+
+def _between(
+    text: str, checked: list[dict[str, Any]], previous: int, following: int, start: int, end: int
+) -> Segment:
+    """The template text between two contents: an assistant message's tool calls when it holds
+    one of their names (calls render outside the content), else the next message's header."""
+    for k in range(previous, following):
+        calls = checked[k].get("tool_calls") or ()
+        if any(c["name"] in text[start:end] for c in calls):
+            return Segment(f"messages[{k}].tool_calls", "assistant", start, end)
+    if following == len(checked):
+        return Segment("generation_prompt", None, start, end)
+    return Segment(f"messages[{following}].header", checked[following]["role"], start, end)
 
 
 def _tools_region(text: str, tools: Sequence[ToolSpec]) -> tuple[int, int] | None:
