@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from radixlm.observatory.probe import TreeProbe
+from radixlm.observatory.probe import MAX_CONTINUATION, TreeProbe
 from radixlm.observatory.segments import Segment, SegmentMap
 
 REASONS = (
@@ -78,7 +78,7 @@ def explain(
     """The report for `prompt`, from a probe of the tree taken for it (see probe.py)."""
     cached = probe.cached_len
     prefix = decode(prompt[:cached])
-    rest = decode(prompt[cached:])
+    rest = decode(prompt[cached : cached + MAX_CONTINUATION])  # as much as the tree's side
     tree = decode(probe.continuation) if probe.continuation else None
     segment = segments.at(len(prefix)) if segments is not None else None
     salted = probe.other_namespace_len > cached and _past(
