@@ -27,14 +27,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def engine(model_dir: Path, cache: str = "radix", l2_dir: Path | None = None) -> Engine:
+def engine(
+    model_dir: Path, cache: str = "radix", l2_dir: Path | None = None, l2_capacity: int = 4096
+) -> Engine:
     return Engine(
         ModelConfig(path=str(model_dir), num_threads=1),
         CacheConfig(
             num_slots=NUM_SLOTS,
             cache=cache,  # type: ignore[arg-type]
             l2_dir=None if l2_dir is None else str(l2_dir),
-            l2_capacity=4096,
+            l2_capacity=l2_capacity,
         ),
         SchedulerConfig(),
     )
@@ -75,6 +77,18 @@ def test_pages_go_to_disk_and_come_back_with_identical_outputs(
     assert cache.l2_written_pages > 0 and cache.l2_hit_tokens >= 128  # turn 3 read turn 2's
     assert cache.l2_bad_pages == 0
     assert_idle(tiered)  # check_integrity: slots and the page account
+
+
+def test_a_full_l2_forgets_chain_ends_first(
+    model_dir: Path, tmp_path: Path, reference: list[list[int]]
+) -> None:
+    tiered = engine(model_dir, l2_dir=tmp_path, l2_capacity=2 * 64)  # fewer pages than spilled
+    cache = tiered.cache
+    assert isinstance(cache, TieredRadixCache)
+    assert script(tiered) == reference
+    assert cache.l2_written_pages > 2 and cache.l2.num_free == 0
+    assert cache.l2_hit_tokens >= 64  # the chains' heads stayed: turn 3 still loads a prefix
+    assert_idle(tiered)
 
 
 def test_a_corrupted_page_file_is_recomputed(

@@ -54,8 +54,9 @@ class TieredRadixCache(RadixCache):
         super().__init__(pool, page_size=page_size, policy=policy)
         self.kv = pool
         self.l2 = l2
-        # chained page key -> (page id, its pending write); LRU order, oldest first
-        self._index: OrderedDict[bytes, tuple[int, Future[None]]] = OrderedDict()
+        # chained page key -> (page id, its pending write, the key before it); oldest first
+        self._index: OrderedDict[bytes, tuple[int, Future[None], bytes | None]] = OrderedDict()
+        self._successors: dict[bytes, int] = {}  # key -> indexed pages that continue it
         self._fingerprint = _fingerprint(pool)
         self.l2_hit_tokens = self.l2_written_pages = self.l2_read_pages = 0
         self.l2_rejected_tokens = self.l2_bad_pages = 0
@@ -95,17 +96,30 @@ class TieredRadixCache(RadixCache):
             if page is None:
                 return
             payload = self._gather(slots[p * PAGE_TOKENS : (p + 1) * PAGE_TOKENS])
-            self._index[keys[p]] = (page, self.l2.write(page, keys[p], payload))
+            prev = keys[p - 1] if p else None
+            self._index[keys[p]] = (page, self.l2.write(page, keys[p], payload), prev)
+            if prev is not None:
+                self._successors[prev] = self._successors.get(prev, 0) + 1
             self.l2_written_pages += 1
 
     def _alloc_page(self) -> int | None:
+        """A free page, forgetting the least recently used *leaf* page when L2 is full: a page
+        that an indexed page continues waits for it, so chains shrink from their ends."""
         page = self.l2.alloc()
         while page is None and self._index:
-            _, (old, pending) = self._index.popitem(last=False)
-            _wait(pending)
-            self.l2.free(old)
+            victim = next(k for k in self._index if not self._successors.get(k))
+            self._forget(victim)
             page = self.l2.alloc()
         return page
+
+    def _forget(self, key: bytes) -> None:
+        page, pending, prev = self._index.pop(key)
+        _wait(pending)  # the page is reused only once its last write is done
+        self.l2.free(page)
+        if prev is not None and prev in self._successors:
+            self._successors[prev] -= 1
+            if not self._successors[prev]:
+                del self._successors[prev]
 
     # -- matching continues into L2 ----------------------------------------------------------
 
@@ -132,7 +146,7 @@ class TieredRadixCache(RadixCache):
     ) -> MatchResult:
         reads = []
         for _, key in run:
-            page, pending = self._index[key]
+            page, pending, _ = self._index[key]
             self._index.move_to_end(key)
             reads.append((page, pending))
         payloads = []
@@ -140,7 +154,7 @@ class TieredRadixCache(RadixCache):
             data = self.l2.read(page, key).result() if _wait(pending) else None
             if data is None:
                 self.l2_bad_pages += 1
-                self.l2.free(self._index.pop(key)[0])  # doubtful: forget it, recompute
+                self._forget(key)  # doubtful: forget it, recompute
                 break
             payloads.append(data)
         end = (run[0][0] + len(payloads)) * PAGE_TOKENS
@@ -198,7 +212,7 @@ class TieredRadixCache(RadixCache):
         super().check_integrity()
         from radixlm.cache.integrity import IntegrityError
 
-        pages = [page for page, _ in self._index.values()]
+        pages = [page for page, _, _ in self._index.values()]
         if len(set(pages)) != len(pages) or self.l2.num_free + len(pages) != self.l2.num_pages:
             raise IntegrityError(
                 f"L2 page account: {self.l2.num_free} free + {len(pages)} indexed "
