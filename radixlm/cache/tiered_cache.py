@@ -88,13 +88,14 @@ class TieredRadixCache(RadixCache):
             return
         tokens, slots, namespace = self._path(node)
         keys = _chain(self._fingerprint, namespace, tokens, last)
+        chain = set(keys)
         for p in range(first, last):
             if keys[p] in self._index:
                 self._index.move_to_end(keys[p])
                 continue
-            page = self._alloc_page()
+            page = self._alloc_page(chain)
             if page is None:
-                return
+                return  # full of this chain's own pages: the head is worth more than the tail
             payload = self._gather(slots[p * PAGE_TOKENS : (p + 1) * PAGE_TOKENS])
             prev = keys[p - 1] if p else None
             self._index[keys[p]] = (page, self.l2.write(page, keys[p], payload), prev)
@@ -102,12 +103,16 @@ class TieredRadixCache(RadixCache):
                 self._successors[prev] = self._successors.get(prev, 0) + 1
             self.l2_written_pages += 1
 
-    def _alloc_page(self) -> int | None:
+    def _alloc_page(self, keep: set[bytes]) -> int | None:
         """A free page, forgetting the least recently used *leaf* page when L2 is full: a page
-        that an indexed page continues waits for it, so chains shrink from their ends."""
+        that an indexed page continues waits for it, so chains shrink from their ends. Pages
+        in `keep` (the chain being written) are never forgotten; None if only they are left."""
         page = self.l2.alloc()
-        while page is None and self._index:
-            victim = next(k for k in self._index if not self._successors.get(k))
+        while page is None:
+            leaves = (k for k in self._index if not self._successors.get(k) and k not in keep)
+            victim = next(leaves, None)
+            if victim is None:
+                return None
             self._forget(victim)
             page = self.l2.alloc()
         return page
