@@ -64,7 +64,7 @@ traces = st.lists(
 )
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(trace=traces, capacity=st.integers(6, 14))
 def test_belady_is_at_least_lru_and_matches_the_brute_force_optimum(
     trace: list[TraceRequest], capacity: int
