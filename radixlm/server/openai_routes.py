@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 
 from radixlm.agents.chat import ChatAgents, ChatOutputs, ChatPlan, call_deltas, finish_reason
 from radixlm.agents.grammar import Constraint
+from radixlm.agents.tools import ToolChoice
 from radixlm.engine.engine import QueueFullError
 from radixlm.observatory.routes import with_cache_report
 from radixlm.request import SamplingParams
@@ -124,6 +125,8 @@ def _check_model(state: ServerState, model: str | None) -> None:
 async def _chat_plan(agents: ChatAgents, body: ChatCompletionRequest) -> ChatPlan:
     """Tools and grammar of a chat request (compiling blocks: off the event loop)."""
     response_format = body.response_format.to_dict() if body.response_format else None
+    if not body.tools and body.tool_choice is None and response_format is None:
+        return ChatPlan([], ToolChoice("none"), None)  # a plain chat: nothing to compile
     try:
         return await asyncio.to_thread(
             agents.plan, body.tool_dicts, body.tool_choice_value, body.parallel_tool_calls,
