@@ -197,3 +197,24 @@ def test_without_the_memo_a_resent_turn_may_diverge() -> None:
         ids = renderer.prompt_ids([*USER, reply], tools)
         diverged += ids[: len(prompt) + len(generated)] != prompt + generated
     assert diverged > 0
+
+
+def test_a_remembered_turn_is_spliced_into_a_native_tool_template() -> None:
+    tokenizer = _native_tokenizer()
+    memo = TurnMemo()
+    renderer = PromptRenderer(tokenizer, memo)
+    tools = parse_tools([ADD])
+    prompt = renderer.prompt_ids(USER, tools, "ns")
+    text = '<call>add {"b": 2}</call>'
+    # one token per character: a spelling the tokenizer itself would never choose
+    generated = [t for ch in text for t in tokenizer.encode(ch, add_special_tokens=False)]
+    assert generated != tokenizer.encode(text, add_special_tokens=False)
+    memo.remember("ns", None, [("add", '{"b": 2}')], generated)
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"b": 2}'}}
+    conversation = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "3"}]  # fmt: skip
+    ids = renderer.prompt_ids(conversation, tools, "ns")
+    assert ids[: len(prompt) + len(generated)] == prompt + generated
+    assert tokenizer.decode(ids) == tokenizer.decode(
+        renderer.prompt_ids(conversation, tools, "other")  # the same text, canonical ids
+    )
