@@ -127,6 +127,10 @@ def benchmarks_page() -> str:
         offline_section(),
         "## Model speed against transformers\n",
         model_section(),
+        "## Agent loops with tools\n",
+        agents_section(),
+        "## Eviction policies and a disk tier, on a production trace\n",
+        tiers_section(),
         "## Replicas behind a cache-aware gateway\n",
         replicas_section(),
         "## The tree against SGLang's\n",
@@ -204,6 +208,78 @@ def _model_block(name: str, result: dict[str, Any]) -> str:
             cells.append(_opt(row.get("pytorch_ms"), "{:.1f} ms"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def agents_section() -> str:
+    path = BENCH / "agent_tools.json"
+    if not path.exists():
+        return "No run recorded yet (`benchmarks/agent_tools.py`).\n"
+    result = json.loads(path.read_text())
+    lines = [
+        f"`{result['command']}` ([agents.md](agents.md)): {result['agents']} agents x "
+        f"{result['steps']} steps through `radixlm serve` ({result['model']}), each step "
+        "resending the whole conversation with its tools, tool choice forced. Per step: mean "
+        "prompt and cached tokens, the lowest cached share of any agent, and the tokens "
+        "recomputed that an earlier step had already computed.\n",
+    ]
+    for run in result["runs"]:
+        lines += [
+            f"Tools {run['tools']}:\n",
+            "| step | prompt tokens | cached tokens | lowest cached share | recomputed |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        for step in run["steps"]:
+            lines.append(
+                f"| {step['step']} | {step['prompt_tokens_mean']:,.0f} "
+                f"| {step['cached_tokens_mean']:,.0f} | {step['cached_ratio_min']:.3f} "
+                f"| {step['recomputed_total']} |"
+            )
+        lines.append("")
+    grammar = result.get("grammar_overhead")
+    if grammar:
+        lines.append(
+            f"Constrained decoding (`{grammar['command']}`): a decode step of {grammar['batch']} "
+            f"JSON-Schema requests, median {grammar['constrained']['median_ms']:.0f} ms against "
+            f"{grammar['unconstrained']['median_ms']:.0f} ms unconstrained "
+            f"({grammar['slowdown']:+.1%}).\n"
+        )
+    lines.append(f"{_host_line(result.get('host'))}. {result.get('note', '')}\n")
+    return "\n".join(lines)
+
+
+def tiers_section() -> str:
+    path = BENCH / "cache_tiers.json"
+    if not path.exists():
+        return "No run recorded yet (`radixlm.bench.cache_tiers`).\n"
+    result = json.loads(path.read_text())
+    lines = [
+        f"`python -m radixlm.bench.cache_tiers --trace TRACE` replays the Mooncake conversation "
+        f"trace ({result['requests']:,} requests) through the tree, {result['inflight']} in "
+        f"flight; hit rates over the last {1 - result['eval_from']:.0%} of it (the policies "
+        "were tuned on the part before), against Belady's clairvoyant eviction at the same "
+        "capacity ([cache.md](cache.md)):\n",
+        "| eviction | RAM (L1) tokens | disk (L2) tokens | token hit rate | from L1 / from L2 "
+        "| Belady (L1 only) | LRU→Belady gap closed | L2 written / read |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["runs"]:
+        l2 = r.get("l2_capacity_tokens")
+        l2_hit = r.get("eval_l2_hit_rate")
+        written, read = r.get("l2_bytes_written"), r.get("l2_bytes_read")
+        lines.append(
+            f"| {r['eviction']} | {r['capacity_tokens']:,} | {_opt(l2, '{:,}')} "
+            f"| {r['eval_token_hit_rate']:.1%} "
+            f"| {r['eval_l1_hit_rate']:.1%} / {_opt(l2_hit, '{:.1%}')} "
+            f"| {_opt(r.get('belady_l1_hit_rate'), '{:.1%}')} "
+            f"| {_opt(r.get('gap_closed'), '{:.1%}')} "
+            f"| {_tb(written)} / {_tb(read)} |"
+        )
+    lines.append(f"\n{_host_line(result.get('host'))}.\n")
+    return "\n".join(lines)
+
+
+def _tb(value: float | None) -> str:
+    return "–" if value is None else f"{value / 1e12:.2f} TB"
 
 
 def replicas_section() -> str:
