@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixlm.bench.host import describe_host
 from radixlm.cache.kv_pool import KVPool
 from radixlm.model import native, native_build
 from radixlm.model.forward_batch import ForwardBatch
@@ -119,6 +120,7 @@ def _setup() -> dict[str, Any]:
         "isa": None if kernels is None else kernels.isa,  # as docs/bench/model_speed.json has it
         "kernels": ran,
         "cpu": {"model": native_build.cpu_name(), "isa_flags": isa_flags},
+        "host": describe_host(),  # the other benches' host record (docs/benchmarks.md reads it)
         "env": env,
         "commit": commit or None,
     }
