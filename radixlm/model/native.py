@@ -3,7 +3,7 @@ through ctypes (native_abi.py declares each signature).
 
     csrc/decode_attention.c   one query per request; requests on a shared run read it once
                               (its loops in decode_task.h; the bfloat16 pool's builds in
-                              decode_attention_bf16.c, compiled in parallel)
+                              decode_attention_bf16.c and _dots.c, compiled in parallel)
     csrc/extend_attention.c   prefill: new tokens attend causally to their prefix and themselves
     csrc/flash_tile.h         the register-tiled flash attention loops both use
     csrc/simd.h               the vector width and helpers of the build's instruction set

@@ -44,6 +44,7 @@ SOURCES = [
     for name in (
         "decode_attention.c",
         "decode_attention_bf16.c",
+        "decode_attention_dots.c",
         "extend_attention.c",
         "rope_store.c",
         "rms_norm.c",

@@ -1,16 +1,12 @@
-/* The bfloat16-pool half of decode_attention.c's literal builds (see decode_task.h): kv_mode 1,
-   float32 arithmetic over bfloat16 K/V; 2, a bfloat16 model, bfloat16 dot products where the
-   build has them. */
+/* The bfloat16-pool part of decode_attention.c's literal builds (see decode_task.h): kv_mode 1,
+   float32 arithmetic over bfloat16 K/V; kv_mode 2 (a bfloat16 model, bfloat16 dot products
+   where the build has them) is built in decode_attention_dots.c. */
 #include "decode_task.h"
 
 void decode_task_bf16(const Batch *b, const KeySource *src, int64_t u, int64_t head, int64_t D,
                       int kv_mode)
 {
-    if (kv_mode == 2 && HAS_BF16_DOTS) {
-        if (D == 64) run_task(b, src, u, head, 64, 1, 1, 1);
-        else if (D == 128) run_task(b, src, u, head, 128, 1, 1, 1);
-        else run_task(b, src, u, head, D, 1, 1, 0);
-    }
+    if (kv_mode == 2 && HAS_BF16_DOTS) decode_task_dots(b, src, u, head, D);
     else if (D == 64) run_task(b, src, u, head, 64, 1, 0, 1);
     else if (D == 128) run_task(b, src, u, head, 128, 1, 0, 1);
     else run_task(b, src, u, head, D, 1, 0, 0);

@@ -1,7 +1,8 @@
 /* The per-task loops of the decode attention kernel (decode_attention.c describes it). A header
-   so that the literal builds of run_task compile as two units in parallel: decode_attention.c
-   holds the float32 K/V builds and the entry point, decode_attention_bf16.c the bfloat16 ones
-   (one unit with all of them was most of the avx512 library's build time). */
+   so that the literal builds of run_task compile as three units in parallel: decode_attention.c
+   holds the float32 K/V builds and the entry point, decode_attention_bf16.c the bfloat16 ones,
+   decode_attention_dots.c those with bfloat16 dot products (one unit with all of them was most
+   of the avx512 library's build time). */
 #ifndef RADIXLM_DECODE_TASK_H
 #define RADIXLM_DECODE_TASK_H
 
@@ -393,8 +394,10 @@ ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int
     free(qs);
 }
 
-/* One task of a bfloat16 pool (kv_mode 1 or 2): decode_attention_bf16.c. */
+/* One task of a bfloat16 pool (kv_mode 1 or 2): decode_attention_bf16.c; of a bfloat16 model
+   with bfloat16 dot products (kv_mode 2 where HAS_BF16_DOTS): decode_attention_dots.c. */
 void decode_task_bf16(const Batch *b, const KeySource *src, int64_t u, int64_t head, int64_t D,
                       int kv_mode);
+void decode_task_dots(const Batch *b, const KeySource *src, int64_t u, int64_t head, int64_t D);
 
 #endif /* RADIXLM_DECODE_TASK_H */
