@@ -76,7 +76,9 @@ def run(args: argparse.Namespace) -> int:
         sides["ours_dense"] = load_causal_lm(path, args.dtype, pack_weights=False)
     if not args.no_transformers:
         sides["transformers"] = _load_transformers(path, args.dtype)
-    results: dict[str, Any] = {"model": path, "dtype": args.dtype, "threads": threads}
+    # the file's name, not where it lies on this machine: the JSON is committed and compared
+    model = args.model or "default (SmolLM2-135M-Instruct Q4_1)"
+    results: dict[str, Any] = {"model": model, "dtype": args.dtype, "threads": threads}
     results.update(_setup())
     results.update(torch=torch.__version__, prefill=[], decode=[])
     print(f"model {path}  dtype {args.dtype}  threads {threads}  rounds {args.rounds}")
