@@ -188,7 +188,8 @@ def _model_block(name: str, result: dict[str, Any]) -> str:
     head = "| | ours | transformers | ours / transformers |" + (" PyTorch path |" if extra else "")
     lines = [
         f"**{variant}, {result.get('dtype', 'float32')}** ([`{name}`](bench/{name}); "
-        f"{_host_line(result.get('host'))}, {result.get('threads', '?')} threads):\n",
+        f"{_host_line(result.get('host'))}, {result.get('threads', '?')} threads"
+        f"{_env_note(result.get('env'))}):\n",
         head,
         "|---|---:|---:|---:|" + ("---:|" if extra else ""),
     ]
@@ -353,6 +354,12 @@ def _host_line(host: dict[str, Any] | None) -> str:
     if host and host.get("recorded"):
         label += f" ({host['recorded']})"
     return label
+
+
+def _env_note(env: dict[str, str] | None) -> str:
+    """The variables that capped PyTorch's own instruction set for the run, if any."""
+    caps = {k: v for k, v in (env or {}).items() if k != "RADIXLM_ISA"}
+    return "; " + " ".join(f"`{k}={v}`" for k, v in caps.items()) if caps else ""
 
 
 def _tok(run: dict[str, Any] | None) -> str:
