@@ -217,10 +217,12 @@ def _validate_message(i: int, message: object) -> dict[str, Any]:
         raise ValueError(f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}")
     if "content" not in message or message["content"] is None:
         raise ValueError(f"{where}.content is missing")
-    return {**message, "content": _flatten_content(where, message["content"])}
+    return {**message, "content": flatten_content(where, message["content"])}
 
 
-def _flatten_content(where: str, content: object) -> str:
+def flatten_content(where: str, content: object) -> str:
+    """A message's content as one string: a string as it is, a list of text parts joined by
+    newlines; anything else is a ValueError naming `where`."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):

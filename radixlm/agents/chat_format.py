@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from radixlm.agents.tools import ToolSpec, canonical_json
+from radixlm.tokenizer import flatten_content
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -111,7 +112,7 @@ def _check_message(i: int, message: object) -> dict[str, Any]:
     content = message.get("content")
     if content is None and not calls:
         raise ValueError(f"{where}.content is missing")
-    out["content"] = None if content is None else _flatten(where, content)
+    out["content"] = None if content is None else flatten_content(where, content)
     if calls:
         out["tool_calls"] = [
             _check_call(f"{where}.tool_calls[{j}]", call) for j, call in enumerate(calls)
@@ -146,21 +147,6 @@ def _check_tool_call_ids(messages: list[dict[str, Any]]) -> None:
                 f"messages[{i}].tool_call_id {m['tool_call_id']!r} matches no tool call of an "
                 "earlier assistant message"
             )
-
-
-def _flatten(where: str, content: object) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ValueError(f"{where}.content must be a string or a list of text parts")
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, Mapping) or part.get("type") != "text":
-            raise ValueError(f"{where}.content[{j}] must be a text part {{'type': 'text', ...}}")
-        if not isinstance(part.get("text"), str):
-            raise ValueError(f"{where}.content[{j}].text must be a string")
-        texts.append(part["text"])
-    return "\n".join(texts)
 
 
 def _native_message(m: dict[str, Any]) -> dict[str, Any]:
