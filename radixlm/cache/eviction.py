@@ -51,10 +51,10 @@ class LRUPolicy:
         return node.last_access
 
     def touch(self, node: TreeNode, tick: int) -> None:
-        pass
+        """Nothing to keep: the tree sets node.last_access itself."""
 
     def evicted(self, node: TreeNode, tick: int) -> None:
-        pass
+        """Nothing to forget: LRU remembers no evicted node."""
 
 
 class TurnCreditPolicy:
