@@ -366,7 +366,7 @@ def test_greedy_outputs_with_and_without_the_cache_per_variant(
 ) -> None:  # type: ignore[no-untyped-def]
     """Each kernel variant, end to end through the engine: greedy outputs are token for token
     the same with the radix cache on (twice: cold, then warm) and off."""
-    from conftest import save_tiny_model
+    from helpers import save_tiny_model
     from test_engine import outputs, run, shared_prefix_prompts
 
     from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
