@@ -1,73 +1,39 @@
-"""Shared pytest fixtures. Nothing here downloads anything.
+"""Shared pytest fixtures (helpers live in tests/helpers.py). Nothing here downloads anything.
 
-`tiny_hf_model(variant)`: builds (once per session and variant) a tiny random Hugging Face model
-of one supported flag combination (TINY_VARIANTS), saved with `save_pretrained` (safetensors and
-a byte-level tokenizer) into a temporary directory; returns the directory and the transformers
-model, the reference. `each_tiny_hf_model` runs a test once per variant.
+- `tiny_hf_model(variant)`: a tiny random Hugging Face model of one supported flag combination
+  (helpers.TINY_VARIANTS), built once per session and variant into a temporary directory: the
+  directory and the transformers model, the reference. `each_tiny_hf_model` runs a test once
+  per variant.
+- `make_engine(**options)`: a fresh Engine on the engine tests' model (built once per session).
+- `server` / `client`: a live radixlm server per test module and an openai client on it that
+  checks, after each test, that the slot accounting is back at idle. A module overrides
+  `server_context_len` for a longer context.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+from engine_helpers import new_engine, save_engine_model
+from helpers import TINY_VARIANTS, TinyModel, save_tiny_model
+
+if TYPE_CHECKING:
+    import openai
+    from live_server import LiveServer
+
+    from radixlm.engine.engine import Engine
+
+SERVER_API_KEY = "test-key"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # One thread: tiny test models gain nothing from a second, and on a busy 2-core machine every
-# 2-thread op waits for its straggler (this suite under load: 122 s with 2 threads, 35 s with 1).
+# 2-thread op waits for its straggler.
 torch.set_num_threads(1)
-
-TINY_VOCAB = 260  # 256 byte tokens + 2 specials + 2 unused rows
-TINY_BASE: dict[str, Any] = {
-    "vocab_size": TINY_VOCAB,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "max_position_embeddings": 64,
-    "rms_norm_eps": 1e-5,
-    "bos_token_id": 256,
-    "eos_token_id": 257,
-}
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 10_000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 16,  # small, so all three llama3 branches are taken
-}
-# variant name -> (transformers config class name, config overrides)
-TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama-gqa-llama3rope": (
-        "LlamaConfig", {"num_key_value_heads": 2, "rope_scaling": LLAMA3_ROPE}
-    ),
-    "llama-mha-tied-bias": (
-        "LlamaConfig",
-        {"num_key_value_heads": 4, "tie_word_embeddings": True, "attention_bias": True,
-         "mlp_bias": True},
-    ),
-    "llama-mqa": ("LlamaConfig", {"num_key_value_heads": 1}),
-    "mistral-gqa-linrope": (
-        "MistralConfig",
-        {"num_key_value_heads": 2, "sliding_window": None,
-         "rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}},
-    ),
-    "qwen2-gqa-tied": ("Qwen2Config", {"num_key_value_heads": 2, "tie_word_embeddings": True}),
-    "qwen3-gqa-qknorm": ("Qwen3Config", {"num_key_value_heads": 2, "head_dim": 32}),
-}  # fmt: skip
-
-
-@dataclass
-class TinyModel:
-    variant: str
-    path: Path  # the save_pretrained directory
-    reference: torch.nn.Module  # the transformers model, float32, eval
 
 
 @pytest.fixture(scope="session")
@@ -85,58 +51,55 @@ def tiny_hf_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], T
 
 
 @pytest.fixture(params=list(TINY_VARIANTS))
-def each_tiny_hf_model(request: pytest.FixtureRequest, tiny_hf_model) -> TinyModel:  # type: ignore[no-untyped-def]
+def each_tiny_hf_model(
+    request: pytest.FixtureRequest, tiny_hf_model: Callable[[str], TinyModel]
+) -> TinyModel:
     """Parametrizes a test over every supported flag combination."""
     return tiny_hf_model(request.param)
 
 
-def save_tiny_model(
-    variant: str, path: Path, seed: int = 0, **config_overrides: Any
-) -> torch.nn.Module:
-    """Build a random model of `variant`, save it with its tokenizer at `path`, return it."""
-    import transformers
-
-    class_name, overrides = TINY_VARIANTS[variant]
-    config = getattr(transformers, class_name)(**{**TINY_BASE, **overrides, **config_overrides})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(model)
-    model.eval()
-    model.save_pretrained(path)
-    byte_level_tokenizer().save_pretrained(path)
-    return model
+@pytest.fixture(scope="session")
+def engine_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The engine tests' model (engine_helpers.save_engine_model), saved once per session."""
+    path = tmp_path_factory.mktemp("engine-model")
+    save_engine_model(path)
+    return path
 
 
-def byte_level_tokenizer() -> Any:
-    """A 258-token byte-level tokenizer (no merges) with a ChatML chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+@pytest.fixture(scope="session")
+def make_engine(engine_model_dir: Path) -> Callable[..., Engine]:
+    """make_engine(**options) -> a fresh Engine on the engine model (new_engine's options)."""
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {ch: i for i, ch in enumerate(alphabet)}
-    vocab.update({"<|im_start|>": 256, "<|im_end|>": 257})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>"
-    )
-    wrapped.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    return wrapped
+    def make(**options: Any) -> Engine:
+        return new_engine(engine_model_dir, **options)
+
+    return make
 
 
-@torch.no_grad()
-def _randomize(model: torch.nn.Module) -> None:
-    """O(1) logits: the default 0.02-std init makes every difference look tiny."""
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.copy_(1 + 0.2 * torch.randn_like(p))
-        elif name.endswith("bias"):
-            p.copy_(0.2 * torch.randn_like(p))
-        elif "embed_tokens" in name:
-            p.copy_(torch.randn_like(p))
-        else:
-            p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+@pytest.fixture(scope="module")
+def server_context_len() -> int:
+    """The context length of the module's `server` model; a module overrides it to change it."""
+    return 1024
+
+
+@pytest.fixture(scope="module")
+def server(
+    tmp_path_factory: pytest.TempPathFactory, server_context_len: int
+) -> Iterator[LiveServer]:
+    """A live server on a tiny chat model for the whole module; requests carry SERVER_API_KEY."""
+    from live_server import live_server, save_tiny_chat_model
+
+    model = save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), server_context_len)
+    with live_server(model, api_key=SERVER_API_KEY) as live:
+        yield live
+
+
+@pytest.fixture
+def client(server: LiveServer) -> Iterator[openai.OpenAI]:
+    """An openai client on `server`; after the test, the server's accounting must be idle."""
+    import openai
+
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0) as c:
+        yield c
+    cache = server.wait_idle()
+    assert cache["idle"] and cache["accounting_ok"] and cache["integrity"] == "ok", cache

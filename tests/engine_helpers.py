@@ -1,5 +1,6 @@
 """Helpers shared by the engine tests: a tiny model's engine, running prompts to the end, and the
-idle check every scenario ends with (the slot account back at idle)."""
+idle check every scenario ends with (the slot account back at idle). conftest's `make_engine`
+fixture builds engines on a model saved once per session."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from conftest import save_tiny_model
+from helpers import save_tiny_model
 
 from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
 from radixlm.engine.engine import Engine
@@ -21,13 +22,14 @@ def save_engine_model(path: Path) -> None:
     save_tiny_model("llama-gqa-llama3rope", path, max_position_embeddings=1024)
 
 
-def make_engine(
+def new_engine(
     model_dir: Path,
     cache: str = "radix",
     num_slots: int = 4096,
     page_size: int = 1,
     **scheduler: Any,
 ) -> Engine:
+    """An Engine on the model at `model_dir`; `scheduler` holds SchedulerConfig fields."""
     return Engine(
         ModelConfig(path=str(model_dir), num_threads=1),
         CacheConfig(num_slots=num_slots, page_size=page_size, cache=cache),  # type: ignore[arg-type]

@@ -5,29 +5,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 import pytest
-from engine_helpers import GREEDY, assert_idle, make_engine, outputs, run, save_engine_model
+from engine_helpers import GREEDY, assert_idle, outputs, run
 
 from radixlm.engine.engine import Engine, ForwardError
 from radixlm.request import RequestOutput, SamplingParams
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("engine-model")
-    save_engine_model(path)
-    return path
-
-
-@pytest.fixture(name="make_engine")
-def make_engine_fixture(model_dir: Path) -> Callable[..., Engine]:
-    def make(**options: Any) -> Engine:
-        return make_engine(model_dir, **options)
-
-    return make
 
 
 def shared_prefix_prompts(seed: int = 0) -> list[list[int]]:

@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
 import torch
-from engine_helpers import GREEDY, assert_idle, make_engine, outputs, run, save_engine_model
+from engine_helpers import GREEDY, assert_idle, outputs, run
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -41,18 +41,10 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("isolation-model")
-    save_engine_model(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir: Path) -> dict[int, list[list[int]]]:
+def reference(make_engine: Callable[..., Engine]) -> dict[int, list[list[int]]]:
     """chunk size -> every sample's tokens when nothing fails."""
     return {
-        chunk: outputs(submit_and_run(make_engine(model_dir, chunk_size=chunk), [])[0])
-        for chunk in (8, 512)
+        chunk: outputs(submit_and_run(make_engine(chunk_size=chunk), [])[0]) for chunk in (8, 512)
     }
 
 
@@ -154,9 +146,12 @@ def fault_lists() -> st.SearchStrategy[list[Fault]]:
 @example(faults=[Fault(1, 1, "sampling", MAX_TOKENS - 1)], chunk=8)  # the leader ends first
 @example(faults=[Fault(1, 0, "logits", 0), Fault(3, 0, "logits", 4)], chunk=8)
 def test_a_fault_in_one_request_fails_it_alone(
-    model_dir: Path, reference: dict[int, list[list[int]]], faults: list[Fault], chunk: int
+    make_engine: Callable[..., Engine],
+    reference: dict[int, list[list[int]]],
+    faults: list[Fault],
+    chunk: int,
 ) -> None:
-    engine = make_engine(model_dir, chunk_size=chunk)
+    engine = make_engine(chunk_size=chunk)
     samples, deltas = submit_and_run(engine, faults)
     faulty = {f.prompt: f for f in faults}
     expected = iter(reference[chunk])
@@ -185,11 +180,11 @@ def test_a_fault_in_one_request_fails_it_alone(
 
 
 def test_tiny_sampling_values_run_beside_the_others(
-    model_dir: Path, reference: dict[int, list[list[int]]]
+    make_engine: Callable[..., Engine], reference: dict[int, list[list[int]]]
 ) -> None:
     """Issue 19: top_p / temperature / repetition_penalty of 1e-300 failed every request in
     the batch (500 for all); now they run, and the tiny temperature and top_p are greedy."""
-    engine = make_engine(model_dir)
+    engine = make_engine()
     tiny = [
         SamplingParams(temperature=1.0, top_p=1e-300, max_tokens=MAX_TOKENS, ignore_eos=True),
         SamplingParams(temperature=1e-300, top_p=0.9, max_tokens=MAX_TOKENS, ignore_eos=True),
@@ -211,13 +206,13 @@ def test_tiny_sampling_values_run_beside_the_others(
 
 
 def test_the_failing_stream_ends_with_an_error_and_the_others_finish(
-    model_dir: Path, reference: dict[int, list[list[int]]]
+    make_engine: Callable[..., Engine], reference: dict[int, list[list[int]]]
 ) -> None:
     """Through the AsyncEngine (the server's path): the faulty request's stream ends with an
     error delta, every other stream finishes with its reference tokens."""
 
     def build() -> Engine:
-        engine = make_engine(model_dir)
+        engine = make_engine()
         add = engine.add_request
 
         def add_with_fault(*args: Any, **kwargs: Any) -> str:
@@ -261,13 +256,13 @@ def test_the_failing_stream_ends_with_an_error_and_the_others_finish(
 
 
 def test_a_failed_forward_pass_through_the_async_engine_spares_the_rest(
-    model_dir: Path, reference: dict[int, list[list[int]]]
+    make_engine: Callable[..., Engine], reference: dict[int, list[list[int]]]
 ) -> None:
     """A forward pass that raises fails the requests in it; one waiting outside it (the running
     cap is 1) still finishes with its reference tokens."""
 
     def build() -> Engine:
-        engine = make_engine(model_dir, max_running_requests=1)
+        engine = make_engine(max_running_requests=1)
         forward = engine.runner.forward
 
         def broken_for_the_first(batch: ForwardBatch) -> torch.Tensor:

@@ -9,23 +9,17 @@ from __future__ import annotations
 import random
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import assert_idle, make_engine, outputs, run, save_engine_model
+from engine_helpers import assert_idle, outputs, run
 
 from radixlm.engine.engine import Engine, ForwardError
 from radixlm.request import Request, SamplingParams
 
 KV_FIELDS = {"node", "slots", "cached_len", "num_computed", "forks"}  # forks: who waits on it
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("ownership-model")
-    save_engine_model(path)
-    return path
 
 
 @pytest.fixture
@@ -55,15 +49,13 @@ def random_prompts(seed: int, count: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_only_the_scheduler_writes_request_kv_state(
-    model_dir: Path, kv_writers: Counter[str], page_size: int
+    make_engine: Callable[..., Engine], kv_writers: Counter[str], page_size: int
 ) -> None:
     prompts = random_prompts(page_size, 10)
     params = SamplingParams(temperature=0.7, seed=5, n=2, max_tokens=30, ignore_eos=True)
-    reference = outputs(run(make_engine(model_dir, cache="none"), prompts, params))
+    reference = outputs(run(make_engine(cache="none"), prompts, params))
     # tight memory: retractions; small chunks: chunked prefill; n = 2: forks
-    tight = make_engine(
-        model_dir, num_slots=200, page_size=page_size, chunk_size=8, max_running_requests=8
-    )
+    tight = make_engine(num_slots=200, page_size=page_size, chunk_size=8, max_running_requests=8)
     assert outputs(run(tight, prompts, params)) == reference
     assert tight.scheduler.num_retractions > 0
     abort_mid_decode(tight, prompts[0])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import save_tiny_model
+from helpers import save_tiny_model
 
 from radixlm import LLM, SamplingParams
 

@@ -9,30 +9,13 @@ at idle after each test.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-from live_server import LiveServer, live_server, save_tiny_chat_model
+from live_server import LiveServer
 
-API_KEY = "test-key"
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    model = save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
-    with live_server(model, api_key=API_KEY) as live:
-        yield live
-
-
-@pytest.fixture
-def client(server: LiveServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0) as c:
-        yield c
-    cache = server.wait_idle()
-    assert cache["idle"] and cache["accounting_ok"] and cache["integrity"] == "ok", cache
 
 
 def _unique(prefix: str = "") -> str:

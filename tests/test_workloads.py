@@ -9,7 +9,7 @@ from collections import deque
 from pathlib import Path
 
 import pytest
-from conftest import save_tiny_model
+from helpers import save_tiny_model
 
 from radixlm.bench.workloads import (
     WORKLOADS,

@@ -1,0 +1,114 @@
+"""Helpers shared by the tests (imported as `helpers`; conftest.py holds only fixtures).
+
+`save_tiny_model(variant, path)` builds a tiny random Hugging Face model of one supported flag
+combination (TINY_VARIANTS) and saves it with `save_pretrained` (safetensors and a byte-level
+tokenizer) into `path`; it returns the transformers model, the numerical reference. Nothing here
+downloads anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_VOCAB = 260  # 256 byte tokens + 2 specials + 2 unused rows
+TINY_BASE: dict[str, Any] = {
+    "vocab_size": TINY_VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 256,
+    "eos_token_id": 257,
+}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10_000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,  # small, so all three llama3 branches are taken
+}
+# variant name -> (transformers config class name, config overrides)
+TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-gqa-llama3rope": (
+        "LlamaConfig", {"num_key_value_heads": 2, "rope_scaling": LLAMA3_ROPE}
+    ),
+    "llama-mha-tied-bias": (
+        "LlamaConfig",
+        {"num_key_value_heads": 4, "tie_word_embeddings": True, "attention_bias": True,
+         "mlp_bias": True},
+    ),
+    "llama-mqa": ("LlamaConfig", {"num_key_value_heads": 1}),
+    "mistral-gqa-linrope": (
+        "MistralConfig",
+        {"num_key_value_heads": 2, "sliding_window": None,
+         "rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}},
+    ),
+    "qwen2-gqa-tied": ("Qwen2Config", {"num_key_value_heads": 2, "tie_word_embeddings": True}),
+    "qwen3-gqa-qknorm": ("Qwen3Config", {"num_key_value_heads": 2, "head_dim": 32}),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    variant: str
+    path: Path  # the save_pretrained directory
+    reference: torch.nn.Module  # the transformers model, float32, eval
+
+
+def save_tiny_model(
+    variant: str, path: Path, seed: int = 0, **config_overrides: Any
+) -> torch.nn.Module:
+    """Build a random model of `variant`, save it with its tokenizer at `path`, return it."""
+    import transformers
+
+    class_name, overrides = TINY_VARIANTS[variant]
+    config = getattr(transformers, class_name)(**{**TINY_BASE, **overrides, **config_overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model)
+    model.eval()
+    model.save_pretrained(path)
+    byte_level_tokenizer().save_pretrained(path)
+    return model
+
+
+def byte_level_tokenizer() -> Any:
+    """A 258-token byte-level tokenizer (no merges) with a ChatML chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    vocab.update({"<|im_start|>": 256, "<|im_end|>": 257})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>"
+    )
+    wrapped.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return wrapped
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module) -> None:
+    """O(1) logits: the default 0.02-std init makes every difference look tiny."""
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1 + 0.2 * torch.randn_like(p))
+        elif name.endswith("bias"):
+            p.copy_(0.2 * torch.randn_like(p))
+        elif "embed_tokens" in name:
+            p.copy_(torch.randn_like(p))
+        else:
+            p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
