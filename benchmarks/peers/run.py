@@ -1,6 +1,7 @@
 """Run the comparison: each engine in turn, alone, through the same client and workloads.
 
     .venv/bin/python benchmarks/peers/run.py [--engines NAME ...] [--workloads NAME ...]
+                                             [--isa native|avx2]
     .venv/bin/python benchmarks/peers/report.py          # table + plots from the results
 
 For a server engine: start it on 127.0.0.1 (its output in $PEERS_CACHE/logs/), wait until it
@@ -9,6 +10,9 @@ workload, stop it (by its own process group). The transformers floor runs hf_off
 workload. Each (engine, workload) result lands in results/runs/<engine>__<workload>.json with the
 commands, the versions and the CPU contention seen during the run: the cores that processes
 other than the engine and the client kept busy (from /proc/stat against their own CPU time).
+`--isa avx2` caps every engine to AVX2 + FMA (engines.ISA_CAPS: environment variables, and
+llama.cpp's AVX2-only build) and writes to results/runs-avx2/ instead; `--workloads served` is
+issue 13's served run (engines.SERVED).
 """
 
 from __future__ import annotations
@@ -29,11 +33,14 @@ from engines import (
     CONCURRENCY,
     ENGINES,
     HERE,
+    ISA_CAPS,
     QUICK,
     REPO_PY,
+    SERVED,
     WORKLOADS,
     Engine,
     versions,
+    with_isa,
 )
 
 sys.path.insert(0, str(HERE.parent.parent))
@@ -46,10 +53,20 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", nargs="+", choices=sorted(ENGINES), default=list(ENGINES))
-    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
-    parser.add_argument("--out", type=Path, default=RUNS)
+    parser.add_argument(
+        "--workloads", nargs="+", choices=[*WORKLOADS, *SERVED], default=list(WORKLOADS)
+    )
+    parser.add_argument(
+        "--isa",
+        choices=list(ISA_CAPS),
+        default="native",
+        help="cap every engine's instruction set (default: what the CPU has)",
+    )
+    parser.add_argument("--out", type=Path, default=None, help="default: results/runs[-ISA]")
     parser.add_argument("--quick", action="store_true", help="tiny workloads: check the setup")
     args = parser.parse_args()
+    if args.out is None:
+        args.out = RUNS if args.isa == "native" else RUNS.with_name(f"runs-{args.isa}")
     if args.quick:
         for name, params in QUICK.items():
             WORKLOADS[name] = {**WORKLOADS[name], **params}
@@ -57,7 +74,7 @@ def main() -> None:
     (CACHE / "logs").mkdir(parents=True, exist_ok=True)
     found = versions()
     for name in args.engines:
-        engine = ENGINES[name]
+        engine = with_isa(ENGINES[name], args.isa)
         if engine.port:
             run_server(engine, args.workloads, args.out, found)
         else:
@@ -118,6 +135,7 @@ def _measure(
         "env": {k: _portable(v) for k, v in engine.env.items()},
         "client_command": _portable(" ".join(cmd)),
         "versions": found,
+        "isa": engine.isa,
     }
     result["host"] = describe_host()
     result["contention"] = {
@@ -136,8 +154,9 @@ def _measure(
 
 
 def _workload_flags(workload: str) -> list[str]:
-    flags = ["--workload", workload, "--concurrency", str(CONCURRENCY), "--seed", "0"]
-    for key, value in WORKLOADS[workload].items():
+    client_workload, params = SERVED.get(workload, (workload, WORKLOADS.get(workload, {})))
+    flags = ["--workload", client_workload, "--concurrency", str(CONCURRENCY), "--seed", "0"]
+    for key, value in params.items():
         flags += ["--param", f"{key}={value}"]
     return flags
 
