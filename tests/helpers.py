@@ -1,18 +1,27 @@
 """Helpers shared by the tests (imported as `helpers`; conftest.py holds only fixtures).
 
-`save_tiny_model(variant, path)` builds a tiny random Hugging Face model of one supported flag
-combination (TINY_VARIANTS) and saves it with `save_pretrained` (safetensors and a byte-level
-tokenizer) into `path`; it returns the transformers model, the numerical reference. Nothing here
-downloads anything.
+- `save_tiny_model(variant, path)` builds a tiny random Hugging Face model of one supported flag
+  combination (TINY_VARIANTS) and saves it with `save_pretrained` (safetensors and a byte-level
+  tokenizer) into `path`; it returns the transformers model, the numerical reference.
+- `tree_machine(...)`: the hypothesis state machine of random tree operations against the
+  brute-force reference (tests/tree_reference.py) that the tree and eviction-policy property
+  tests extend.
+Nothing here downloads anything.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from tree_reference import Key, ReferenceCache
+
+from radixlm.cache.radix_tree import RadixTree, TreeNode
 
 TINY_VOCAB = 260  # 256 byte tokens + 2 specials + 2 unused rows
 TINY_BASE: dict[str, Any] = {
@@ -112,3 +121,100 @@ def _randomize(model: torch.nn.Module) -> None:
             p.copy_(torch.randn_like(p))
         else:
             p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+
+
+# -- the radix tree against the brute-force reference: the rules every tree property test shares --
+
+
+TreeEntry = tuple[str | None, tuple[int, ...], TreeNode]  # (namespace, sequence, its end node)
+
+
+class EvictionSnapshot(NamedTuple):
+    """The reference just before an evict call, for subclasses' ordering checks."""
+
+    protected: set[Key]
+    leaves: set[Key]
+    access: dict[Key, int]
+
+
+def tree_machine(
+    page_size: int, tokens: st.SearchStrategy[list[int]], policy: str = "lru"
+) -> type[RuleBasedStateMachine]:
+    """A state machine of random match / insert / lock / unlock / evict on a RadixTree beside a
+    ReferenceCache, two namespaces. Every step checks its result against the reference, and the
+    invariant checks integrity and the locked/evictable token counts after each step.
+    Subclasses add rules and invariants, and may override `evicted` to check which nodes an
+    evict call took."""
+    namespaces = st.sampled_from([None, "tenant"])
+
+    class TreeMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.page_size = page_size
+            self.tree = RadixTree(page_size=page_size, policy=policy)
+            self.ref = ReferenceCache(page_size)
+            self.next_slot = 0
+            self.unlocked: list[TreeEntry] = []  # nodes that may be locked (cleared by evict)
+            self.locks: list[TreeEntry] = []  # every lock held, with repeats
+
+        @rule(tokens=tokens, namespace=namespaces)
+        def match(self, tokens: list[int], namespace: str | None) -> None:
+            m = self.tree.match(np.array(tokens, dtype=np.int64), namespace)
+            length, slots = self.ref.match(tokens, namespace)
+            assert (m.length, m.slots.tolist()) == (length, slots)
+            assert m.node.depth == length
+            self.unlocked.append((namespace, tuple(tokens[:length]), m.node))
+
+        @rule(tokens=tokens, namespace=namespaces)
+        def insert(self, tokens: list[int], namespace: str | None) -> None:
+            slots = list(range(self.next_slot, self.next_slot + len(tokens)))
+            self.next_slot += len(tokens)
+            r = self.tree.insert(
+                np.array(tokens, dtype=np.int64), np.array(slots, dtype=np.int64), namespace
+            )
+            assert r.prefix_len == self.ref.insert(tokens, slots, namespace)
+            end = len(tokens) // page_size * page_size
+            assert r.node.depth == end
+            self.unlocked.append((namespace, tuple(tokens[:end]), r.node))
+
+        @precondition(lambda self: self.unlocked)
+        @rule(pick=st.integers(0, 1 << 16))
+        def lock(self, pick: int) -> None:
+            namespace, seq, node = self.unlocked[pick % len(self.unlocked)]
+            self.tree.lock(node)
+            if seq:
+                self.ref.locked.append((namespace, seq))
+            self.locks.append((namespace, seq, node))
+
+        @precondition(lambda self: self.locks)
+        @rule(pick=st.integers(0, 1 << 16))
+        def unlock(self, pick: int) -> None:
+            namespace, seq, node = self.locks.pop(pick % len(self.locks))
+            self.tree.unlock(node)
+            if seq:
+                self.ref.locked.remove((namespace, seq))
+
+        @rule(num_tokens=st.integers(0, 3 * page_size))
+        def evict(self, num_tokens: int) -> None:
+            protected = self.ref.protected()
+            before = EvictionSnapshot(protected, self.ref.leaves(), dict(self.ref.access))
+            evictable_before = self.ref.num_tokens - len(protected) * page_size
+            result = self.tree.evict(num_tokens)
+            assert result.num_tokens == len(result.slots) >= min(num_tokens, evictable_before)
+            gone = self.ref.remove_slots(set(result.slots.tolist()))
+            assert len(gone) * page_size == result.num_tokens  # every freed slot was cached
+            assert not protected.intersection(gone)
+            self.evicted(gone, before)
+            self.unlocked.clear()  # unlocked nodes may be gone now
+
+        def evicted(self, gone: list[Key], before: EvictionSnapshot) -> None:
+            """Hook: `gone` (reference keys) was just evicted; the base checks nothing more."""
+
+        @invariant()
+        def agrees_with_reference(self) -> None:
+            self.tree.check_integrity()
+            protected = len(self.ref.protected()) * page_size
+            assert self.tree.protected_tokens == protected
+            assert self.tree.evictable_tokens == self.ref.num_tokens - protected
+
+    return TreeMachine

@@ -7,16 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import tree_machine
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    invariant,
-    precondition,
-    rule,
-    run_state_machine_as_test,
-)
-from tree_reference import ReferenceCache
+from hypothesis.stateful import RuleBasedStateMachine, invariant, run_state_machine_as_test
 
 from radixlm.cache.eviction import POLICIES, GDSFPolicy, TurnCreditPolicy
 from radixlm.cache.kv_pool import SlotAllocator
@@ -103,8 +97,6 @@ def test_the_policy_is_chosen_by_name_in_the_cache_config() -> None:
 
 # -- random operation sequences per policy against the brute-force reference ------------------
 
-NAMESPACES = st.sampled_from([None, "tenant"])
-
 
 def unlocked_leaves(tree: RadixTree) -> list[TreeNode]:
     """Brute force: every unlocked leaf, found by walking the whole tree."""
@@ -118,17 +110,14 @@ def unlocked_leaves(tree: RadixTree) -> list[TreeNode]:
 
 
 def make_machine(policy_name: str, page_size: int) -> type[RuleBasedStateMachine]:
+    """The shared tree machine under `policy_name`: every evicted node has the smallest priority
+    among the unlocked leaves when it goes, and no node's priority ever decreases."""
     tokens = st.lists(st.integers(0, 2), max_size=13)
 
-    class PolicyVersusReference(RuleBasedStateMachine):
+    class PolicyVersusReference(tree_machine(page_size, tokens, policy_name)):  # type: ignore[misc]
         def __init__(self) -> None:
             super().__init__()
-            self.tree = RadixTree(page_size=page_size, policy=policy_name)
-            self.ref = ReferenceCache(page_size)
             self.tree.eviction_listener = self.check_popped_is_minimal
-            self.next_slot = 0
-            self.nodes: list[tuple[str | None, tuple[int, ...], TreeNode]] = []
-            self.locks: list[tuple[str | None, tuple[int, ...], TreeNode]] = []
             self.seen: dict[int, tuple[TreeNode, int]] = {}  # id -> (node, last priority)
 
         def check_popped_is_minimal(self, node: TreeNode) -> None:
@@ -137,52 +126,8 @@ def make_machine(policy_name: str, page_size: int) -> type[RuleBasedStateMachine
             assert node in others
             assert priority(node) == min(priority(n) for n in others)
 
-        @rule(tokens=tokens, namespace=NAMESPACES)
-        def match(self, tokens: list[int], namespace: str | None) -> None:
-            m = self.tree.match(ids(tokens), namespace)
-            assert (m.length, m.slots.tolist()) == self.ref.match(tokens, namespace)
-            self.nodes.append((namespace, tuple(tokens[: m.length]), m.node))
-
-        @rule(tokens=tokens, namespace=NAMESPACES)
-        def insert(self, tokens: list[int], namespace: str | None) -> None:
-            slots = list(range(self.next_slot, self.next_slot + len(tokens)))
-            self.next_slot += len(tokens)
-            r = self.tree.insert(ids(tokens), np.array(slots, dtype=np.int64), namespace)
-            assert r.prefix_len == self.ref.insert(tokens, slots, namespace)
-            self.nodes.append((namespace, tuple(tokens[: r.node.depth]), r.node))
-
-        @precondition(lambda self: self.nodes)
-        @rule(pick=st.integers(0, 1 << 16))
-        def lock(self, pick: int) -> None:
-            namespace, seq, node = self.nodes[pick % len(self.nodes)]
-            self.tree.lock(node)
-            if seq:
-                self.ref.locked.append((namespace, seq))
-            self.locks.append((namespace, seq, node))
-
-        @precondition(lambda self: self.locks)
-        @rule(pick=st.integers(0, 1 << 16))
-        def unlock(self, pick: int) -> None:
-            namespace, seq, node = self.locks.pop(pick % len(self.locks))
-            self.tree.unlock(node)
-            if seq:
-                self.ref.locked.remove((namespace, seq))
-
-        @rule(num_tokens=st.integers(0, 3 * page_size))
-        def evict(self, num_tokens: int) -> None:
-            protected = self.ref.protected()
-            result = self.tree.evict(num_tokens)
-            gone = self.ref.remove_slots(set(result.slots.tolist()))
-            assert len(gone) * page_size == result.num_tokens
-            assert not protected.intersection(gone)
-            self.nodes.clear()  # unlocked nodes may be gone now
-
         @invariant()
-        def agrees_and_never_lowers_a_priority(self) -> None:
-            self.tree.check_integrity()
-            protected = len(self.ref.protected()) * page_size
-            assert self.tree.protected_tokens == protected
-            assert self.tree.evictable_tokens == self.ref.num_tokens - protected
+        def never_lowers_a_priority(self) -> None:
             priority = self.tree.policy.priority
             alive = {}
             stack = list(self.tree.roots().values())

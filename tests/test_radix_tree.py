@@ -5,19 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import EvictionSnapshot, tree_machine
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    invariant,
-    precondition,
-    rule,
-    run_state_machine_as_test,
-)
-from tree_reference import ReferenceCache
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from tree_reference import Key
 
 from radixlm.cache.integrity import IntegrityError
-from radixlm.cache.radix_tree import RadixTree, TreeNode
+from radixlm.cache.radix_tree import RadixTree
 
 
 def ids(*tokens: int) -> np.ndarray:
@@ -161,34 +156,18 @@ def test_stats_count_queries_hits_inserts_and_evictions() -> None:
 
 # -- random operation sequences against the brute-force reference -----------------------------
 
-NAMESPACES = st.sampled_from([None, "tenant"])
 NUM_STEPS = {"steps": 0}  # checked operations, counted across the machines
 
 
 def make_machine(page_size: int, vocab: int, max_len: int) -> type[RuleBasedStateMachine]:
-    """Random match / insert / lock / unlock / evict over a tiny vocabulary (prefixes collide
-    and edges split constantly); after each step the tree must agree with the brute-force
-    reference and pass check_integrity()."""
+    """Random match / peek / insert / lock / unlock / evict over a tiny vocabulary (prefixes
+    collide and edges split constantly); after each step the tree must agree with the
+    brute-force reference and pass check_integrity(), and evict must take least recently used
+    leaves first."""
     tokens = st.lists(st.integers(0, vocab - 1), max_size=max_len)
 
-    class TreeVersusReference(RuleBasedStateMachine):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tree = RadixTree(page_size=page_size)
-            self.ref = ReferenceCache(page_size)
-            self.next_slot = 0
-            self.unlocked: list[tuple[str | None, tuple[int, ...], TreeNode]] = []
-            self.locks: list[tuple[str | None, tuple[int, ...], TreeNode]] = []
-
-        @rule(tokens=tokens, namespace=NAMESPACES)
-        def match(self, tokens: list[int], namespace: str | None) -> None:
-            m = self.tree.match(np.array(tokens, dtype=np.int64), namespace)
-            length, slots = self.ref.match(tokens, namespace)
-            assert (m.length, m.slots.tolist()) == (length, slots)
-            assert m.node.depth == length
-            self.unlocked.append((namespace, tuple(tokens[:length]), m.node))
-
-        @rule(tokens=tokens, namespace=NAMESPACES)
+    class TreeVersusReference(tree_machine(page_size, tokens)):  # type: ignore[misc]
+        @rule(tokens=tokens, namespace=st.sampled_from([None, "tenant"]))
         def peek(self, tokens: list[int], namespace: str | None) -> None:
             before = (self.tree.num_nodes, self.tree.stats())
             length = 0
@@ -199,57 +178,16 @@ def make_machine(page_size: int, vocab: int, max_len: int) -> type[RuleBasedStat
             assert self.tree.peek(np.array(tokens, dtype=np.int64), namespace) == length
             assert (self.tree.num_nodes, self.tree.stats()) == before  # changes nothing
 
-        @rule(tokens=tokens, namespace=NAMESPACES)
-        def insert(self, tokens: list[int], namespace: str | None) -> None:
-            slots = list(range(self.next_slot, self.next_slot + len(tokens)))
-            self.next_slot += len(tokens)
-            r = self.tree.insert(np.array(tokens, dtype=np.int64), np.array(slots), namespace)
-            assert r.prefix_len == self.ref.insert(tokens, slots, namespace)
-            end = len(tokens) // page_size * page_size
-            assert r.node.depth == end
-            self.unlocked.append((namespace, tuple(tokens[:end]), r.node))
-
-        @precondition(lambda self: self.unlocked)
-        @rule(pick=st.integers(0, 1 << 16))
-        def lock(self, pick: int) -> None:
-            namespace, seq, node = self.unlocked[pick % len(self.unlocked)]
-            self.tree.lock(node)
-            if seq:
-                self.ref.locked.append((namespace, seq))
-            self.locks.append((namespace, seq, node))
-
-        @precondition(lambda self: self.locks)
-        @rule(pick=st.integers(0, 1 << 16))
-        def unlock(self, pick: int) -> None:
-            namespace, seq, node = self.locks.pop(pick % len(self.locks))
-            self.tree.unlock(node)
-            if seq:
-                self.ref.locked.remove((namespace, seq))
-
-        @rule(num_tokens=st.integers(0, 3 * page_size))
-        def evict(self, num_tokens: int) -> None:
-            protected = self.ref.protected()
-            evictable_before = self.ref.num_tokens - len(protected) * page_size
-            leaves_before = self.ref.leaves() - protected
-            access_before = dict(self.ref.access)
-            result = self.tree.evict(num_tokens)
-            assert result.num_tokens == len(result.slots) >= min(num_tokens, evictable_before)
-            gone = self.ref.remove_slots(set(result.slots.tolist()))
-            assert len(gone) * page_size == result.num_tokens  # every freed slot was cached
-            assert not protected.intersection(gone)
+        def evicted(self, gone: list[Key], before: EvictionSnapshot) -> None:
             if gone:  # LRU: nothing evicted was touched after a leaf that stays
-                newest_gone = max(access_before[key] for key in gone)
-                assert all(newest_gone <= self.ref.access[k] for k in leaves_before - set(gone))
-            self.unlocked.clear()  # unlocked nodes may be gone now
+                newest_gone = max(before.access[key] for key in gone)
+                stays = before.leaves - before.protected - set(gone)
+                assert all(newest_gone <= self.ref.access[key] for key in stays)
 
         @invariant()
-        def agrees_with_reference(self) -> None:
+        def held_nodes_still_end_their_sequences(self) -> None:
             NUM_STEPS["steps"] += 1
-            self.tree.check_integrity()
-            protected = len(self.ref.protected()) * page_size
-            assert self.tree.protected_tokens == protected
-            assert self.tree.evictable_tokens == self.ref.num_tokens - protected
-            for namespace, seq, node in self.locks:  # a held node still ends its sequence
+            for namespace, seq, node in self.locks:
                 assert node.depth == len(seq)
                 assert self.tree.ends_path(node, np.array(seq, dtype=np.int64), namespace)
 
