@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from types import ModuleType
 
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -49,5 +50,5 @@ def main(argv: list[str] | None = None) -> int:
     return int(_load(args._module).run(args) or 0)
 
 
-def _load(module: str):  # a command module: add_arguments(parser), run(args)
+def _load(module: str) -> ModuleType:  # a command module: add_arguments(parser), run(args)
     return importlib.import_module(module)

@@ -13,10 +13,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from radixlm.commands.options import EngineConfigs
 from radixlm.engine.engine import Engine
 from radixlm.request import SamplingParams
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 @dataclass
@@ -91,7 +95,7 @@ def run_one(
     return reply
 
 
-def _stderr_console():  # rich.console.Console, imported late to keep the CLI light
+def _stderr_console() -> Console:  # imported late to keep the CLI light
     from rich.console import Console
 
     return Console(stderr=True)
