@@ -1,6 +1,9 @@
 """A read-only walk of the radix tree for one prompt: how far it matches, what the tree holds
 right after, and whether another namespace or an evicted edge had more.
 
+Other namespaces are not walked one by one: the caller names the few that sent a prompt like
+this one (salts.py), and each is peeked (O(depth) each).
+
 Run `probe_tree` where the tree is owned (the engine thread, through `AsyncEngine.call`): it
 reads nodes but changes nothing (no split, no LRU touch, no statistics), so asking for a report
 never changes what the cache does. The text analysis of the result runs elsewhere (explain.py).
@@ -8,6 +11,7 @@ never changes what the cache does. The text analysis of the result runs elsewher
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import numpy as np
@@ -33,15 +37,14 @@ def probe_tree(
     prompt: list[int] | np.ndarray,
     namespace: Namespace,
     evictions: EvictionLog | None = None,
+    others: Iterable[Namespace] = (),
 ) -> TreeProbe:
     """Walk `prompt[:-1]` (the engine's lookup key: the last prompt token is always computed,
-    its logits start the output) in `namespace`. Reads the tree only."""
+    its logits start the output) in `namespace`, and peek it in each of `others` (the
+    namespaces `PromptIndex.others` names). Reads the tree only."""
     ids = np.asarray(prompt, dtype=np.int64)[:-1]
     cached_len, continuation = _walk(tree, ids, namespace)
-    other = max(
-        (tree.peek(ids, ns) for ns in tree.roots() if ns != namespace),
-        default=0,
-    )
+    other = max((tree.peek(ids, ns) for ns in others if ns != namespace), default=0)
     evicted = evictions.lookup(ids, cached_len) if evictions is not None else None
     return TreeProbe(cached_len, continuation, other, evicted)
 

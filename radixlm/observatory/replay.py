@@ -21,12 +21,14 @@ from radixlm.cache.radix_tree import RadixTree
 from radixlm.observatory.evictions import EvictionLog
 from radixlm.observatory.explain import CacheReport, explain, text_decoder
 from radixlm.observatory.probe import probe_tree
+from radixlm.observatory.salts import PromptIndex
 from radixlm.observatory.segments import chat_segments
 from radixlm.tokenizer import Tokenizer
 
 
 class PromptReplay:
-    """A tree, its eviction log and a turn memo, fed one chat body at a time."""
+    """A tree, its eviction log, the prompts' index and a turn memo, fed one chat body at a
+    time."""
 
     def __init__(self, tokenizer: Tokenizer, capacity: int | None = None) -> None:
         self.tokenizer = tokenizer
@@ -34,6 +36,7 @@ class PromptReplay:
         self.tree = RadixTree()
         self.evictions = EvictionLog()
         self.tree.eviction_listener = self.evictions.record
+        self.prompts = PromptIndex()
         self.memo = TurnMemo()
         self.renderer = PromptRenderer(tokenizer, self.memo)
         self.decode = text_decoder(tokenizer.hf_tokenizer)
@@ -49,7 +52,9 @@ class PromptReplay:
         namespace = body.get("cache_salt")
         ids = self.renderer.prompt_ids(messages, tools, namespace)
         segments = chat_segments(self.renderer, messages, tools)
-        probe = probe_tree(self.tree, ids, namespace, self.evictions)
+        others = self.prompts.others(ids, namespace)
+        probe = probe_tree(self.tree, ids, namespace, self.evictions, others)
+        self.prompts.record(ids, namespace)
         report = explain(probe, ids, self.decode, segments)
         answer = _answer(body.get("response"))
         output: list[int] = []

@@ -1,0 +1,79 @@
+"""Which other namespaces (cache salts) recently sent a prompt that begins like this one, so the
+"salt" check peeks one or two namespaces instead of walking every root.
+
+Every admitted prompt is recorded (`PromptIndex.record`): a chained hash of its lookup key (all
+but the last token, as the tree's) at a few boundaries, 16, 32, 64, ... tokens and the whole key,
+each mapped to the namespaces that sent it, most recent first. A report looks its own prompt up
+at the same boundaries, deepest first (`others`), and peeks only the namespaces found there:
+the peek gives the exact length, so the boundaries only need to find the right namespace, and a
+prompt that shares a prefix of n tokens with another is found at the boundary at or below n.
+
+Rules: the boundaries double, so a record costs one pass over the prompt's bytes and O(log n)
+dict writes, whatever the number of namespaces; an entry is a hint (its KV may have been
+evicted since), never a proof; a prefix shorter than the first boundary under another salt is
+not found (it holds at most 15 tokens). Touched only from the server's event loop.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from radixlm.cache.tree_node import TOKEN_BYTES, Namespace
+
+FIRST_BOUNDARY = 16  # tokens; the boundaries are 16, 32, 64, ... and the whole lookup key
+NAMESPACES_PER_KEY = 4  # the most recent namespaces kept for one prefix
+MAX_OTHERS = 4  # namespaces a report peeks, at most
+
+
+class PromptIndex:
+    """Prefix hashes of recent prompts -> the namespaces that sent them (bounded, LRU)."""
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[int, tuple[Namespace, ...]] = OrderedDict()
+
+    def record(self, prompt: Sequence[int] | np.ndarray, namespace: Namespace) -> None:
+        """Remember that `namespace` sent `prompt` (called once per admitted prompt)."""
+        entries = self._entries
+        for key in _prefix_keys(prompt):
+            held = entries.get(key, ())
+            if held[:1] != (namespace,):
+                entries[key] = (namespace, *(n for n in held if n != namespace))[
+                    :NAMESPACES_PER_KEY
+                ]
+            entries.move_to_end(key)
+        while len(entries) > self.capacity:
+            entries.popitem(last=False)
+
+    def others(self, prompt: Sequence[int] | np.ndarray, namespace: Namespace) -> list[Namespace]:
+        """Namespaces other than `namespace` that sent a prompt sharing the longest recorded
+        prefix with `prompt`, most recent first (at most MAX_OTHERS)."""
+        for key in reversed(_prefix_keys(prompt)):
+            found = [n for n in self._entries.get(key, ()) if n != namespace]
+            if found:
+                return found[:MAX_OTHERS]
+        return []
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _prefix_keys(prompt: Sequence[int] | np.ndarray) -> list[int]:
+    """The chained hashes of the lookup key's prefixes at the boundaries, shortest first."""
+    buf = np.asarray(prompt, dtype=np.int64)[:-1].tobytes()
+    ends, end = [], FIRST_BOUNDARY * TOKEN_BYTES
+    while end < len(buf):
+        ends.append(end)
+        end *= 2
+    if buf:
+        ends.append(len(buf))
+    keys, state, start = [], 0, 0
+    for end in ends:
+        # each step hashes only the bytes since the last boundary: one pass in all
+        state = hash((state, end, buf[start:end]))
+        keys.append(state)
+        start = end
+    return keys
