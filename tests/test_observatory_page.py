@@ -1,6 +1,7 @@
-"""The live tree page: /cache serves the page (behind the API key), /v1/cache/tree the tree as
-a bounded JSON picture that aggregates small subtrees, and in a headless chromium (when one is
-installed) the page draws the tree and redraws it after more requests."""
+"""The live tree page: /cache serves the page (public, without data), /v1/cache/tree the tree as
+a bounded JSON picture that aggregates small subtrees (behind the API key), and in a headless
+chromium (when one is installed) the page draws the tree and redraws it after more requests,
+and with keys set, draws only once it was given the key."""
 
 from __future__ import annotations
 
@@ -34,8 +35,20 @@ def chat(server: LiveServer, system: str, user: str) -> None:
     assert response.status_code == 200, response.text
 
 
+def test_page_is_public_and_its_data_needs_the_key(server: LiveServer) -> None:
+    chat(server, "Private system prompt.", "question")
+    page = httpx_get(server, "/cache", key=False)  # a browser opening the page: no header
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "Private" not in page.text and "Authorization" in page.text
+    assert "?key=" not in page.text  # the key never travels in a query string
+    for path in ("/v1/cache/tree", "/v1/cache/report"):
+        refused = httpx_get(server, path, key=False)
+        assert refused.status_code == 401 and "nodes" not in refused.text
+        assert httpx_get(server, path).status_code == 200
+
+
 def test_page_and_tree_json(server: LiveServer) -> None:
-    assert httpx_get(server, "/cache", key=False).status_code == 401  # the /v1/* key rule
+    server.post("/v1/cache/flush").raise_for_status()
     page = server.get("/cache")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "/v1/cache/tree" in page.text and "<script>" in page.text
@@ -91,11 +104,25 @@ def test_page_draws_and_updates_in_chromium(tmp_path_factory: pytest.TempPathFac
         assert "Browser test prompt" not in again  # token text only with cache_page_text
 
 
-def dump_dom(server: LiveServer) -> str:
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium not installed")
+def test_page_sends_the_key_it_is_given(server: LiveServer) -> None:
+    """With keys set: opened bare, the page asks for the key and draws nothing; opened as
+    /cache#key=KEY, its script sends the key and draws the tree."""
+    chat(server, "Keyed browser prompt.", "one")
+    server.wait_idle()
+    bare = dump_dom(server)
+    assert 'data-auth="needed"' in bare and "<rect" not in bare
+    assert '<form id="auth">' in bare  # the key field is shown (no longer hidden)
+    keyed = dump_dom(server, f"#key={API_KEY}")
+    assert 'data-auth="ok"' in keyed and keyed.count("<rect") == shown(keyed) > 1
+    assert "&lt;|im_start|&gt;system" in keyed  # the tree's text (cache_page_text)
+
+
+def dump_dom(server: LiveServer, fragment: str = "") -> str:
     """The page's DOM after its script ran (virtual time: the first poll and its redraw)."""
     out = subprocess.run(
         ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=3000",
-         "--dump-dom", f"{server.url}/cache"],
+         "--dump-dom", f"{server.url}/cache{fragment}"],
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     return out.stdout

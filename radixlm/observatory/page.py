@@ -4,9 +4,13 @@ the misses from /v1/cache/report, polled every two seconds. Nothing is fetched f
 Layout: a node's x is its depth in tokens on a log scale (a 2,000-token system prompt is a long
 trunk, a 20-token answer a short twig); leaves take one row each and a parent sits at the middle
 of its children. Colors: locked (a running request holds it) orange, next to be evicted red, an
-aggregate of small subtrees grey, the rest blue, fading with time since last use. When the
-server has API keys, open the page as /cache#key=KEY: the fragment never leaves the browser, and
-the script sends it as the Bearer key of its requests.
+aggregate of small subtrees grey, the rest blue, fading with time since last use.
+
+The page itself is public and holds no data. When the server has API keys, the data routes
+answer 401 until the script sends `Authorization: Bearer KEY`: it takes the key from the URL
+fragment (/cache#key=KEY, which never leaves the browser; it is then cleared from the address
+bar) or from a field it shows on a 401, and keeps it in sessionStorage (this tab only). Never
+from a query string, which would land in access logs.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ text { font-size: 10px; pointer-events: none; } table { border-collapse: collaps
 td, th { padding: 2px 8px; border-bottom: 1px solid #eee; text-align: left; }
 </style></head><body>
 <h1>radixlm cache</h1>
+<form id="auth" hidden>This server needs an API key:
+<input id="key" type="password" autocomplete="off" size="40"> <button>Use it</button>
+(kept in this tab only)</form>
 <div id="stats">loading...</div>
 <div>orange: locked by a running request &middot; red: next to be evicted &middot;
 grey: small subtrees, aggregated &middot; blue: fades with time since last use</div>
@@ -29,8 +36,7 @@ grey: small subtrees, aggregated &middot; blue: fades with time since last use</
 <div id="misses"></div>
 <script>
 "use strict";
-const key = new URLSearchParams(location.hash.slice(1)).get("key");
-const headers = key ? {Authorization: "Bearer " + key} : {};
+const STORE = "radixlm-api-key";
 const NS = "http://www.w3.org/2000/svg";
 let updates = 0;
 
@@ -103,14 +109,45 @@ function drawMisses(report) {
     `<table><tr><th>reason</th><th>misses</th><th>tokens lost</th></tr>${rows}</table>`;
 }
 
+function takeKey() {  // the fragment's key, once, into this tab's storage
+  const fromHash = new URLSearchParams(location.hash.slice(1)).get("key");
+  if (fromHash) {
+    sessionStorage.setItem(STORE, fromHash);
+    history.replaceState(null, "", location.pathname);
+  }
+  return sessionStorage.getItem(STORE);
+}
+
+function askForKey() {
+  document.body.dataset.auth = "needed";
+  document.getElementById("stats").textContent = "waiting for the API key";
+  document.getElementById("auth").hidden = false;
+}
+
+document.getElementById("auth").addEventListener("submit", event => {
+  event.preventDefault();
+  sessionStorage.setItem(STORE, document.getElementById("key").value.trim());
+  document.getElementById("auth").hidden = true;
+  poll();
+});
+
+async function getJson(path) {
+  const key = takeKey();
+  const r = await fetch(path, {headers: key ? {Authorization: "Bearer " + key} : {}});
+  if (r.status === 401) throw "key";
+  if (!r.ok) throw `${path}: HTTP ${r.status}`;
+  return r.json();
+}
+
 async function poll() {
   try {
     const [tree, report] = await Promise.all([
-      fetch("/v1/cache/tree", {headers}).then(r => r.json()),
-      fetch("/v1/cache/report", {headers}).then(r => r.json())]);
+      getJson("/v1/cache/tree"), getJson("/v1/cache/report")]);
+    document.body.dataset.auth = "ok";
     draw(tree);
     drawMisses(report);
   } catch (err) {
+    if (err === "key") return askForKey();  // polling resumes once a key is given
     document.getElementById("stats").textContent = "error: " + err;
   }
   setTimeout(poll, 2000);

@@ -1,10 +1,12 @@
 """The FastAPI app: `create_app(async_engine, server_config)` wires the routes of one server.
 
     /health, /metrics                      open (liveness probes and Prometheus need no key)
+    /cache (the tree page)                 open: static HTML with no data; its script asks for
+                                           the key and sends it on the data routes below
     /v1/models, /v1/completions,
     /v1/chat/completions, /v1/cache,
     /v1/cache/flush, /v1/cache/report,
-    /v1/cache/tree, /cache (the tree page) behind `Authorization: Bearer KEY` when keys are set
+    /v1/cache/tree                         behind `Authorization: Bearer KEY` when keys are set
 
 Around the routes, outermost first: the request counter (every response is counted, 500s and
 413s included), `ErrorMiddleware` (an unexpected exception is one logged 500) and
@@ -25,7 +27,7 @@ from fastapi import Depends, FastAPI
 
 from radixlm.config import ServerConfig
 from radixlm.engine.async_engine import AsyncEngine
-from radixlm.observatory.routes import observatory_router
+from radixlm.observatory.routes import cache_page_router, observatory_router
 from radixlm.server.admin_routes import cache_router, health_router
 from radixlm.server.body import BodyLimitMiddleware
 from radixlm.server.errors import ErrorMiddleware, install_error_handlers
@@ -67,6 +69,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
     tenancy = state.tenancy
     guarded = [Depends(tenancy.authenticate)] if tenancy.requires_key else []
     app.include_router(health_router(state))
+    app.include_router(cache_page_router())
     app.include_router(openai_router(state), dependencies=guarded)
     app.include_router(cache_router(state), dependencies=guarded)
     app.include_router(observatory_router(state.observatory), dependencies=guarded)

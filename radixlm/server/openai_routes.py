@@ -3,50 +3,38 @@
 A request goes: body within its limits (`body.py`) -> strict schema -> prompt token ids (lengths
 checked first, text tokenized on the tokenizer threads: `admission.py`) -> SamplingParams
 (max_tokens defaults to what fits the context and the pool) -> its cache namespace
-(`tenancy.py`) -> `Generation.start()` (the engine admits it, or a 400 / 503) -> a JSON
-response, or an SSE stream of chunks ending with `data: [DONE]`.
-
-A client that goes away is noticed while waiting (a watcher on the ASGI receive channel) or while
-streaming (Starlette cancels the body); either way the generation is closed, which aborts the
-engine request and returns its KV slots.
+(`tenancy.py`) -> its cache reports started, when asked (`observatory/service.py`) ->
+`respond()`: the engine admits it (or a 400 / 503), and a JSON response or an SSE stream answers
+(`respond.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from radixlm.agents.chat import ChatAgents, ChatOutputs, ChatPlan, call_deltas, finish_reason
+from radixlm.agents.chat import ChatAgents, ChatOutputs, ChatPlan
 from radixlm.agents.grammar import Constraint
 from radixlm.agents.tools import ToolChoice
-from radixlm.engine.engine import QueueFullError
-from radixlm.observatory.routes import with_cache_report
+from radixlm.observatory.routes import Reports, with_cache_report
+from radixlm.observatory.segments import chat_segments
 from radixlm.request import SamplingParams
 from radixlm.server.admission import check_fits
-from radixlm.server.errors import APIError, ClientDisconnected, error_body, from_validation_error
-from radixlm.server.generation import Generation, Usage
-from radixlm.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from radixlm.server.responses import (
-    ChoiceResult,
-    Kind,
-    ResponseHeader,
-    full_response,
-    stream_chunk,
-    usage_chunk,
-)
+from radixlm.server.chat_protocol import ChatCompletionRequest
+from radixlm.server.errors import APIError, from_validation_error
+from radixlm.server.protocol import CompletionRequest, SamplingRequest
+from radixlm.server.respond import respond
+from radixlm.server.responses import Kind, ResponseHeader
 from radixlm.server.state import ServerState
 
-ABORTED = "The server is shutting down: the request was aborted"  # the only abort a client sees
-T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -60,7 +48,12 @@ def openai_router(state: ServerState) -> APIRouter:
         prompts = [await state.admission.prompt_ids(p) for p in body.prompts]
         header = _header(state, body, "completion", body.logprobs, prompts)
         params = _sampling_params(state, body, prompts, body.max_tokens, body.logprobs, "prompt")
-        return await _respond(request, state, body, prompts, params, header, "prompt")
+        namespace = state.tenancy.namespace(request, body.cache_salt)
+        reports: Reports = []
+        if body.return_cache_report:  # explained only when asked: no cost for the others
+            reports = [state.observatory.report_soon(p, namespace) for p in prompts]
+        answer = respond(request, state, body, prompts, params, header, namespace, "prompt")
+        return await _with_reports(answer, reports, batch=body.is_batch)
 
     agents = ChatAgents(state.engine.tokenizer, state.limits.vocab_size)
 
@@ -78,15 +71,16 @@ def openai_router(state: ServerState) -> APIRouter:
             state, body, [prompt], body.token_limit, top, "messages", plan.constraint
         )
         outputs = ChatOutputs(agents, plan, namespace)
-        report = None
+        reports: Reports = []
         if body.return_cache_report:  # explained only when asked: no cost for the others
-            report = await state.observatory.explain_chat(
-                prompt, namespace, agents.renderer, body.template_messages, plan.tools
+            segments = functools.partial(
+                chat_segments, agents.renderer, body.template_messages, plan.tools
             )
-        response = await _respond(
-            request, state, body, [prompt], params, header, "messages", outputs
+            reports = [state.observatory.report_soon(prompt, namespace, segments)]
+        answer = respond(
+            request, state, body, [prompt], params, header, namespace, "messages", outputs
         )
-        return with_cache_report(response, report) if body.return_cache_report else response
+        return await _with_reports(answer, reports)
 
     @router.get("/v1/models")
     async def models() -> JSONResponse:
@@ -102,7 +96,21 @@ def openai_router(state: ServerState) -> APIRouter:
     return router
 
 
-# ---- request -> engine ----------------------------------------------------------------------
+# ---- helpers --------------------------------------------------------------------------------
+async def _with_reports(
+    answer: Awaitable[Response], reports: Reports, batch: bool = False
+) -> Response:
+    """The answer, with its cache reports when the request asked (they were started before
+    the request was submitted; an answer that fails drops them)."""
+    try:
+        response = await answer
+    except BaseException:
+        for task in reports:
+            task.cancel()
+        raise
+    return await with_cache_report(response, reports, batch) if reports else response
+
+
 async def _parse(request: Request, state: ServerState, model: type[M]) -> M:
     raw = await request.body()  # already read within its limits by BodyLimitMiddleware
     await state.admission.check_json_values(raw, chat=model is ChatCompletionRequest)
@@ -209,124 +217,3 @@ def _header(
         n=body.n,
         prompts=tuple(tuple(p) for p in prompts) if body.return_token_ids else None,
     )
-
-
-# ---- engine -> response ---------------------------------------------------------------------
-async def _respond(
-    request: Request,
-    state: ServerState,
-    body: SamplingRequest,
-    prompts: list[list[int]],
-    params: SamplingParams,
-    header: ResponseHeader,
-    prompt_param: str,
-    outputs: ChatOutputs | None = None,
-) -> Response:
-    namespace = outputs.namespace if outputs else state.tenancy.namespace(request, body.cache_salt)
-    gen = Generation(
-        state.engine, prompts, params, header.id, namespace, state.metrics, state.generations
-    )
-    try:
-        await _until_disconnected(request, gen.start)
-    except QueueFullError as exc:
-        retry = {"Retry-After": str(state.config.retry_after_s)}
-        raise APIError(503, f"The server is busy: {exc}", code="queue_full", headers=retry) from exc
-    except ValueError as exc:
-        raise APIError(400, str(exc), param=prompt_param) from exc
-    if body.stream:
-        chunks = _stream(gen, header, body.include_usage, state.tenancy.reported, outputs)
-        return StreamingResponse(chunks, media_type="text/event-stream")
-    try:
-        results = await _until_disconnected(request, lambda: _collect(gen, len(prompts) * body.n))
-    finally:
-        await gen.aclose()
-    failed = next((r for r in results if r.finish_reason in ("abort", "error")), None)
-    if failed is not None:
-        status = 503 if failed.finish_reason == "abort" else 500
-        raise APIError(status, failed.error or ABORTED)
-    for result in results if outputs else ():
-        assert outputs is not None
-        content, calls = outputs.message("".join(result.text), result.token_ids)
-        if calls:
-            result.content, result.tool_calls = content, [c.to_openai() for c in calls]
-            result.finish_reason = finish_reason(result.finish_reason, made_calls=True)
-    return JSONResponse(full_response(header, results, state.tenancy.reported(gen.usage)))
-
-
-async def _collect(gen: Generation, num_choices: int) -> list[ChoiceResult]:
-    results = [ChoiceResult(i) for i in range(num_choices)]
-    async for choice in gen:
-        results[choice.index].add(choice)
-    return results
-
-
-async def _stream(
-    gen: Generation,
-    header: ResponseHeader,
-    include_usage: bool,
-    reported: Callable[[Usage], Usage],
-    outputs: ChatOutputs | None = None,
-) -> AsyncIterator[str]:
-    started: set[int] = set()
-    offsets: dict[int, int] = {}  # text offset per choice (completions logprobs)
-    try:
-        async for choice in gen:
-            d = choice.delta
-            if d.finish_reason in ("abort", "error"):
-                status = 503 if d.finish_reason == "abort" else 500
-                yield _sse(error_body(status, d.error or ABORTED))
-                return
-            first = choice.index not in started
-            chunk = ChoiceResult.of(choice)
-            if outputs is not None:  # chat: tool calls parsed out of the text as it streams
-                _parse_chunk(outputs, chunk)
-            if not (first or chunk.text[0] or chunk.tool_calls or d.logprobs or d.finish_reason
-                    or header.prompts):  # fmt: skip
-                continue  # text held back (an incomplete character, a stop string, a tag)
-            offset = offsets.get(choice.index, 0)
-            yield _sse(stream_chunk(header, chunk, offset, first, include_usage))
-            started.add(choice.index)
-            offsets[choice.index] = offset + len(chunk.text[0])
-        if include_usage:
-            yield _sse(usage_chunk(header, reported(gen.usage)))
-        yield "data: [DONE]\n\n"
-    finally:
-        await gen.aclose()
-
-
-def _parse_chunk(outputs: ChatOutputs, chunk: ChoiceResult) -> None:
-    """Replace a chunk's text by the content and call deltas the tool-call parser decides."""
-    piece = outputs.delta(chunk.index, chunk.text[0], chunk.token_ids)
-    text, calls = piece.content, call_deltas(piece)
-    if chunk.finish_reason is not None:
-        rest, made_calls = outputs.finish(chunk.index)
-        text, calls = text + rest.content, calls + call_deltas(rest)
-        chunk.finish_reason = finish_reason(chunk.finish_reason, made_calls)
-    chunk.text, chunk.tool_calls = [text], calls or None
-
-
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-async def _until_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T:
-    """Run `work`, cancelling it if the client disconnects first (then ClientDisconnected)."""
-    task = asyncio.ensure_future(work())
-    watcher = asyncio.ensure_future(_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task in done:
-        return task.result()
-    raise ClientDisconnected()
-
-
-async def _disconnect(request: Request) -> None:
-    """Return once the client has gone away (the body was read already: only this is left)."""
-    message = await request.receive()
-    while message["type"] != "http.disconnect":
-        message = await request.receive()

@@ -8,8 +8,10 @@ radixlm does not implement are declared, so a request using them gets "not suppo
 `return_token_ids`, `min_tokens`). OpenAI's bookkeeping fields (`store`, `metadata`,
 `prompt_cache_key`, `user`) are accepted and change nothing.
 
-What these models guarantee is shape and range; what depends on the loaded model (context length,
-vocabulary, pool size) is checked by the route against the model's limits.
+The chat request and its tools live in `chat_protocol.py`; this file holds the shared fields, the
+completion request and the message schema. What these models guarantee is shape and range; what
+depends on the loaded model (context length, vocabulary, pool size) is checked by the route
+against the model's limits.
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False  # declared to be refused: echoing the prompt is not supported
     best_of: int | None = None  # declared to be refused unless 1
     suffix: str | None = None  # declared to be refused: insertion is not supported
+    return_cache_report: bool = False  # why the cache missed, per prompt: docs/observatory.md
 
     @field_validator("prompt")
     @classmethod
@@ -160,9 +163,14 @@ class CompletionRequest(SamplingRequest):
         return suffix
 
     @property
+    def is_batch(self) -> bool:
+        """The prompt is a list of prompts (even a list of one)."""
+        return not _is_prompt(self.prompt)
+
+    @property
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts (a single prompt is a batch of one)."""
-        return [self.prompt] if _is_prompt(self.prompt) else list(self.prompt)
+        return list(self.prompt) if self.is_batch else [self.prompt]
 
 
 class TextPart(_Strict):
@@ -227,91 +235,6 @@ class ChatMessage(_Strict):
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out
-
-
-class FunctionDef(_Strict):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON Schema; compiled by the route
-    strict: bool | None = None
-
-
-class ToolDef(_Strict):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class NamedFunction(_Strict):
-    name: str
-
-
-class NamedToolChoice(_Strict):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class JsonSchemaFormat(_Strict):
-    name: str = Field(min_length=1, max_length=64)
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _check_schema(self) -> ResponseFormat:
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError('json_schema is required with type "json_schema", and only there')
-        return self
-
-    def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(by_alias=True, exclude_none=True)
-
-
-class ChatCompletionRequest(SamplingRequest):
-    """POST /v1/chat/completions: the model's chat template renders the messages."""
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
-    tools: list[ToolDef] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    return_cache_report: bool = False  # why the cache missed: docs/observatory.md
-
-    @model_validator(mode="after")
-    def _check_chat(self) -> ChatCompletionRequest:
-        for i, message in enumerate(self.messages):
-            message.check(f"messages.{i}")
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise ParamError(
-                "max_completion_tokens", "give max_tokens or max_completion_tokens, not both"
-            )
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ParamError("top_logprobs", "top_logprobs needs logprobs to be true")
-        return self
-
-    @property
-    def token_limit(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
-
-    @property
-    def template_messages(self) -> list[dict[str, Any]]:
-        return [m.to_template() for m in self.messages]
-
-    @property
-    def tool_dicts(self) -> list[dict[str, Any]]:
-        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
-
-    @property
-    def tool_choice_value(self) -> object:
-        choice = self.tool_choice
-        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
 
 
 def _is_prompt(prompt: Any) -> bool:

@@ -1,0 +1,159 @@
+"""One admitted request's answer: run its `Generation` and turn it into an HTTP response, a JSON
+body once every choice finished, or an SSE stream of chunks ending with `data: [DONE]`.
+
+A client that goes away is noticed while waiting (a watcher on the ASGI receive channel) or while
+streaming (Starlette cancels the body); either way the generation is closed, which aborts the
+engine request and returns its KV slots. Every admitted prompt is noted in the observatory's
+index (the salt check of later cache reports).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from radixlm.agents.chat import ChatOutputs, call_deltas, finish_reason
+from radixlm.engine.engine import QueueFullError
+from radixlm.request import SamplingParams
+from radixlm.server.errors import APIError, ClientDisconnected, error_body
+from radixlm.server.generation import Generation, Usage
+from radixlm.server.protocol import SamplingRequest
+from radixlm.server.responses import (
+    ChoiceResult,
+    ResponseHeader,
+    full_response,
+    stream_chunk,
+    usage_chunk,
+)
+from radixlm.server.state import ServerState
+
+ABORTED = "The server is shutting down: the request was aborted"  # the only abort a client sees
+T = TypeVar("T")
+
+
+async def respond(
+    request: Request,
+    state: ServerState,
+    body: SamplingRequest,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    header: ResponseHeader,
+    namespace: str | None,
+    prompt_param: str,
+    outputs: ChatOutputs | None = None,
+) -> Response:
+    """Admit the prompts (a 503 when the queue is full, a 400 the engine refuses) and answer;
+    `outputs` parses a chat's tool calls out of its text."""
+    gen = Generation(
+        state.engine, prompts, params, header.id, namespace, state.metrics, state.generations
+    )
+    try:
+        await _until_disconnected(request, gen.start)
+    except QueueFullError as exc:
+        retry = {"Retry-After": str(state.config.retry_after_s)}
+        raise APIError(503, f"The server is busy: {exc}", code="queue_full", headers=retry) from exc
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=prompt_param) from exc
+    state.observatory.note(prompts, namespace)
+    if body.stream:
+        chunks = _stream(gen, header, body.include_usage, state.tenancy.reported, outputs)
+        return StreamingResponse(chunks, media_type="text/event-stream")
+    try:
+        results = await _until_disconnected(request, lambda: _collect(gen, len(prompts) * body.n))
+    finally:
+        await gen.aclose()
+    failed = next((r for r in results if r.finish_reason in ("abort", "error")), None)
+    if failed is not None:
+        status = 503 if failed.finish_reason == "abort" else 500
+        raise APIError(status, failed.error or ABORTED)
+    for result in results if outputs else ():
+        assert outputs is not None
+        content, calls = outputs.message("".join(result.text), result.token_ids)
+        if calls:
+            result.content, result.tool_calls = content, [c.to_openai() for c in calls]
+            result.finish_reason = finish_reason(result.finish_reason, made_calls=True)
+    return JSONResponse(full_response(header, results, state.tenancy.reported(gen.usage)))
+
+
+async def _collect(gen: Generation, num_choices: int) -> list[ChoiceResult]:
+    results = [ChoiceResult(i) for i in range(num_choices)]
+    async for choice in gen:
+        results[choice.index].add(choice)
+    return results
+
+
+async def _stream(
+    gen: Generation,
+    header: ResponseHeader,
+    include_usage: bool,
+    reported: Callable[[Usage], Usage],
+    outputs: ChatOutputs | None = None,
+) -> AsyncIterator[str]:
+    started: set[int] = set()
+    offsets: dict[int, int] = {}  # text offset per choice (completions logprobs)
+    try:
+        async for choice in gen:
+            d = choice.delta
+            if d.finish_reason in ("abort", "error"):
+                status = 503 if d.finish_reason == "abort" else 500
+                yield _sse(error_body(status, d.error or ABORTED))
+                return
+            first = choice.index not in started
+            chunk = ChoiceResult.of(choice)
+            if outputs is not None:  # chat: tool calls parsed out of the text as it streams
+                _parse_chunk(outputs, chunk)
+            if not (first or chunk.text[0] or chunk.tool_calls or d.logprobs or d.finish_reason
+                    or header.prompts):  # fmt: skip
+                continue  # text held back (an incomplete character, a stop string, a tag)
+            offset = offsets.get(choice.index, 0)
+            yield _sse(stream_chunk(header, chunk, offset, first, include_usage))
+            started.add(choice.index)
+            offsets[choice.index] = offset + len(chunk.text[0])
+        if include_usage:
+            yield _sse(usage_chunk(header, reported(gen.usage)))
+        yield "data: [DONE]\n\n"
+    finally:
+        await gen.aclose()
+
+
+def _parse_chunk(outputs: ChatOutputs, chunk: ChoiceResult) -> None:
+    """Replace a chunk's text by the content and call deltas the tool-call parser decides."""
+    piece = outputs.delta(chunk.index, chunk.text[0], chunk.token_ids)
+    text, calls = piece.content, call_deltas(piece)
+    if chunk.finish_reason is not None:
+        rest, made_calls = outputs.finish(chunk.index)
+        text, calls = text + rest.content, calls + call_deltas(rest)
+        chunk.finish_reason = finish_reason(chunk.finish_reason, made_calls)
+    chunk.text, chunk.tool_calls = [text], calls or None
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _until_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T:
+    """Run `work`, cancelling it if the client disconnects first (then ClientDisconnected)."""
+    task = asyncio.ensure_future(work())
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task in done:
+        return task.result()
+    raise ClientDisconnected()
+
+
+async def _disconnect(request: Request) -> None:
+    """Return once the client has gone away (the body was read already: only this is left)."""
+    message = await request.receive()
+    while message["type"] != "http.disconnect":
+        message = await request.receive()
