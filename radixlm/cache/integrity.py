@@ -14,6 +14,7 @@ from radixlm.cache.tree_node import TOKEN_BYTES, TreeNode
 
 if TYPE_CHECKING:
     from radixlm.cache.radix_tree import RadixTree
+    from radixlm.cache.tiered_tree import TieredTree
 
 
 class IntegrityError(AssertionError):
@@ -72,6 +73,67 @@ def check_tree(tree: RadixTree) -> None:
     _require(np.unique(slots).size == slots.size, "slot ownership", "a slot is in two nodes")
     _require(bool((slots >= 0).all()), "slot ownership", "a negative slot id")
     _check_order(tree, members)
+
+
+def check_l2(tree: TieredTree) -> None:
+    """The L2 tier's invariants (cache/tiered_tree.py) by a full walk over both tiers."""
+    from radixlm.cache.tiered_tree import PAGE_TOKENS
+
+    page_b = tree.page_size * TOKEN_BYTES
+    num_l2_nodes = 0
+    members: set[int] = set()
+    pages: list[np.ndarray] = []
+    stack = list(tree.roots().values())
+    while stack:
+        node = stack.pop()
+        _require(not node.children.keys() & node.l2_children.keys(), "child keys",
+                 f"{node!r} files a first page under both tiers")  # fmt: skip
+        stack.extend(node.children.values())
+        stack.extend(node.l2_children.values())
+        for first, child in node.l2_children.items():
+            num_l2_nodes += 1
+            _check_l2_only(node, first, child, tree.page_size, page_b, PAGE_TOKENS)
+        kids = sum(
+            c.pages is not None for c in [*node.children.values(), *node.l2_children.values()]
+        )
+        if node.parent is None:
+            continue
+        _require(node.l2_kids == kids, "L2 children", f"{node!r}: l2_kids {node.l2_kids} != {kids}")
+        if node.pages is not None:
+            expected = node.depth // PAGE_TOKENS - node.start // PAGE_TOKENS
+            _require(len(node.pages) == expected, "L2 pages",
+                     f"{node!r} holds {len(node.pages)} pages, {expected} end in it")  # fmt: skip
+            pages.append(node.pages)
+        leaf = node.pages is not None and not kids and not node.l2_pinned
+        _require(leaf == (node.l2_seq != 0), "L2 order", f"{node!r} membership is wrong")
+        if leaf:
+            members.add(id(node))
+    _require(num_l2_nodes == tree.num_l2_nodes, "node count",
+             f"{tree.num_l2_nodes} L2 nodes counted, {num_l2_nodes} found")  # fmt: skip
+    ids = np.concatenate(pages) if pages else np.empty(0, dtype=np.int64)
+    _require(np.unique(ids).size == ids.size, "page ownership", "a page is in two nodes")
+    _require(ids.size == tree.num_l2_pages, "page count",
+             f"{tree.num_l2_pages} pages counted, {ids.size} held")  # fmt: skip
+    order = {id(n) for n in tree.l2_order.members()}
+    _require(order == members and tree.l2_order.num_members == len(members), "L2 order",
+             "the heap's members are not the L2 leaves")  # fmt: skip
+
+
+def _check_l2_only(
+    parent: TreeNode, first: bytes, child: TreeNode, page: int, page_b: int, page_tokens: int
+) -> None:
+    _require(child.parent is parent, "links", f"{child!r} does not point back to its parent")
+    _require(first == child.key[:page_b], "child keys", f"{child!r} is filed under another key")
+    _require(len(child.value) == 0 and not child.children, "tiers",
+             f"{child!r} is on L2 only but holds slots or RAM children")  # fmt: skip
+    _require(child.pages is not None, "tiers", f"{child!r} is on no tier")
+    _require(child.lock_ref == 0 and child.own_locks == 0 and child.evict_seq == 0, "tiers",
+             f"{child!r} is on L2 only but locked or in the RAM eviction order")  # fmt: skip
+    _require(child.num_tokens > 0 and child.num_tokens % page == 0, "lengths",
+             f"{child!r} is not whole pages")  # fmt: skip
+    _require(child.depth == parent.depth + child.num_tokens, "lengths", f"{child!r} depth")
+    _require(child.depth % page_tokens == 0 or bool(child.l2_children) or child.l2_pinned,
+             "L2 tails", f"{child!r} keeps a tail that no page holds")  # fmt: skip
 
 
 def _check_edge(parent: TreeNode, first: bytes, child: TreeNode, page: int, page_b: int) -> None:

@@ -140,7 +140,8 @@ class RadixTree:
 
         Returns how many leading tokens were already cached: for those the tree keeps its own
         slots and the caller still owns (and must free) `slots[:prefix_len]` unless they are the
-        tree's. The slots of the new tail become tree-owned. Touches the path like match.
+        tree's. The slots of the rest become tree-owned (a new leaf, or nodes an L2 tier held
+        without slots). Touches the path like match.
         """
         ids = tokens if tokens.__class__ is np.ndarray and tokens.dtype == I64 else _as_ids(tokens)
         if slots.__class__ is not np.ndarray or slots.dtype != I64:
@@ -153,10 +154,12 @@ class RadixTree:
         root = self._roots.get(namespace) or self.root(namespace)
         node, pos = self._walk(root, buf, tick, None)
         prefix_len = pos // TOKEN_BYTES
+        if pos < len(buf) and node.l2_children:
+            node, pos = self._claim_lower_tier(node, buf, pos, slots, tick)
         if pos < len(buf):
             end = len(buf) // TOKEN_BYTES
             turn = self.turns.turn_of_tail(node, buf, pos, namespace)
-            node = self._add_leaf(node, buf[pos:], slots[prefix_len:end], tick, turn)
+            node = self._add_leaf(node, buf[pos:], slots[pos // TOKEN_BYTES : end], tick, turn)
         return InsertResult(prefix_len, node)
 
     def lock(self, node: TreeNode) -> None:
@@ -201,29 +204,19 @@ class RadixTree:
         """
         freed: list[np.ndarray] = []
         num_freed = 0
-        order, page_b, listener = self._order, self._page_bytes, self.eviction_listener
+        order, listener = self._order, self.eviction_listener
         evicted = order.policy.evicted
         while num_freed < num_tokens and order.num_members:
             node = order.pop()
-            parent = node.parent
-            assert parent is not None  # roots are never members
             if listener is not None:
                 listener(node)
             evicted(node, self._clock)
             self.turns.evicted(node)
-            del parent.children[node.key[:page_b]]
-            size = len(node.value)
-            num_freed += size
+            num_freed += len(node.value)
             freed.append(node.value)
-            node.depth = -1
-            if not parent.children and parent.lock_ref == 0:
-                if parent.parent is not None:
-                    order.add(parent)
-                elif parent.namespace is not None:
-                    del self._roots[parent.namespace]  # forget an empty tenant root
+            self._leave_l1(node)
         self.evictable_tokens -= num_freed
         self._evicted_tokens += num_freed
-        self.num_nodes -= len(freed)
         slots = freed[0] if len(freed) == 1 else np.concatenate(freed) if freed else NO_SLOTS
         return EvictResult(num_freed, len(freed), slots)
 
@@ -278,6 +271,31 @@ class RadixTree:
         check_tree(self)
 
     # -- helpers ---------------------------------------------------------------------------
+
+    def _leave_l1(self, node: TreeNode) -> None:
+        """Take an evicted leaf (its slots already counted as freed) out of the tree; its parent
+        may become an evictable leaf. A tree with an L2 tier keeps it there instead."""
+        parent = node.parent
+        assert parent is not None  # roots are never members
+        del parent.children[node.key[: self._page_bytes]]
+        node.depth = -1
+        self.num_nodes -= 1
+        self._after_child_left(parent)
+
+    def _after_child_left(self, parent: TreeNode) -> None:
+        """`parent` lost an L1 child: it may be an evictable leaf now, or an empty tenant root."""
+        if not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None:
+                if not parent.evict_seq:
+                    self._order.add(parent)
+            elif parent.namespace is not None and not parent.l2_children:
+                self._roots.pop(parent.namespace, None)  # forget an empty tenant root
+
+    def _claim_lower_tier(
+        self, node: TreeNode, buf: bytes, pos: int, slots: np.ndarray, tick: int
+    ) -> tuple[TreeNode, int]:
+        """Where an insert continues past the RAM tier: a tree without L2 has nothing there."""
+        return node, pos
 
     def _page_bytes_of(self, ids: np.ndarray) -> bytes:
         """The whole pages of `ids` as bytes (the form keys are compared in)."""
@@ -337,18 +355,17 @@ class RadixTree:
         parent = child.parent
         assert parent is not None
         cut = k * TOKEN_BYTES
-        upper = TreeNode(
-            child.key[:cut], child.value[:k], parent, child.depth - len(child.value) + k, 0
-        )
+        upper = TreeNode(child.key[:cut], child.value[:k], parent, child.start + k, 0)
         upper.last_access, upper.hits = child.last_access, child.hits
         upper.turn, upper.turn_below = child.turn, child.turn_below
         upper.priority = child.priority
         upper.lock_ref = child.lock_ref
-        parent.children[child.key[: self._page_bytes]] = upper
+        in_ram = len(child.value) > 0  # a node held on L2 only hangs in `l2_children`
+        (parent.children if in_ram else parent.l2_children)[child.key[: self._page_bytes]] = upper
         child.key = child.key[cut:]
         child.value = child.value[k:]
         child.parent = upper
-        upper.children[child.key[: self._page_bytes]] = child
+        (upper.children if in_ram else upper.l2_children)[child.key[: self._page_bytes]] = child
         self.num_nodes += 1
         self._num_splits += 1
         return upper

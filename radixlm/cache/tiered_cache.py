@@ -1,32 +1,33 @@
-"""RadixCache with an L2 tier of KV pages on disk (first version: loads inside `match`).
+"""RadixCache with an L2 tier of KV pages on disk, owned by the tree (cache/tiered_tree.py).
 
-L1 is the radix tree over the slot pool. When L1 evicts a node worth keeping (admission: a
-hit, a conversation's second turn or later, or a first turn once enough of them measurably
-came back; cache/turns.py), the whole 64-token pages that end inside its span are copied out of
-the pool on the engine thread and written to the page file (cache/l2_pages.py) by its I/O
-threads; the copy is taken before the slots are freed, so a write never reads reused slots.
+This class is the tree's page store: it decides what is worth writing (admission: a hit, a
+conversation's second turn or later, or a first turn once enough of them measurably came back;
+cache/turns.py), copies a leaving node's KV out of the pool on the engine thread (before its
+slots are freed, so a write never reads reused slots) and hands it to the page file's I/O
+threads (cache/l2_pages.py), and reads pages back when a match continues into L2:
 
     tokens   |0 ........ 64 ........ 128 ........ 192 ...|
     pages    [  page 0  ][  page 1  ][  page 2   ]           key_i = H(key_{i-1}, page i tokens)
     L1 match |=========== 100 ====|                          L2 continuation: pages 1, 2
     loaded                        |==== 100..192 ====|       -> new slots, then tree-owned
 
-`match` finds the L1 prefix, then the run of pages that continues it (chained keys name every
-token before them, and the namespace), reads them in parallel, writes their KV into freshly
-allocated slots and inserts those into the tree, so the caller sees one longer L1 prefix. A
-page that fails its key or checksum ends the run there: the rest is recomputed, never loaded
-wrong. L2 forgets its least recently used page when full (a chain then stops earlier).
+`match` walks the tree once (`match_tiers`), allocates slots for the continuation, reads its
+pages in parallel and scatters their KV into the slots; the loaded nodes join L1. A page that
+fails its key or checksum ends the load there and is forgotten with everything below it; a read
+slower than `read_timeout_s` ends it too (the page stays): the rest is recomputed, never loaded
+wrong.
 
 Accounting: slots as RadixCache (free + tree + in flight == capacity); pages: free pages +
-indexed pages == num_pages (check_integrity checks both).
+pages held by nodes == num_pages (check_integrity checks both).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections import OrderedDict
+import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
 import torch
@@ -35,151 +36,187 @@ from radixlm.cache.kv_pool import KVPool, OutOfSlotsError
 from radixlm.cache.l2_pages import L2Error, L2PageFile, page_key
 from radixlm.cache.prefix_cache import RadixCache
 from radixlm.cache.radix_tree import MatchResult, Namespace, TreeNode
+from radixlm.cache.tiered_tree import PAGE_TOKENS, TieredTree, TierMatch
 from radixlm.cache.tree_node import TokenIds
 from radixlm.cache.turns import TurnTracker
 from radixlm.config import CacheConfig
 
 log = logging.getLogger(__name__)
 
-PAGE_TOKENS = 64
 ADMIT_RATE = 0.25  # a first turn is written once this share of first turns came back
+LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)  # seconds
 
 
 class TieredRadixCache(RadixCache):
-    """A RadixCache whose evictions spill to, and whose matches load from, an L2 page file."""
+    """A RadixCache whose tree keeps evicted nodes on, and loads them back from, L2 pages."""
 
     def __init__(
-        self, pool: KVPool, l2: L2PageFile, page_size: int = 1, policy: str = "lru"
+        self,
+        pool: KVPool,
+        l2: L2PageFile,
+        page_size: int = 1,
+        policy: str = "lru",
+        read_timeout_s: float = 1.0,
     ) -> None:
         super().__init__(pool, page_size=page_size, policy=policy)
+        self.tree: TieredTree = TieredTree(self, page_size=page_size, policy=policy)
         self.kv = pool
         self.l2 = l2
-        # chained page key -> (page id, its pending write, the key before it); oldest first
-        self._index: OrderedDict[bytes, tuple[int, Future[None], bytes | None]] = OrderedDict()
-        self._successors: dict[bytes, int] = {}  # key -> indexed pages that continue it
+        self.read_timeout_s = read_timeout_s  # per page read; a slower one ends the load
+        self._pending: dict[int, Future[None]] = {}  # page -> its last write
         self._fingerprint = _fingerprint(pool)
         self.l2_hit_tokens = self.l2_written_pages = self.l2_read_pages = 0
-        self.l2_rejected_tokens = self.l2_bad_pages = 0
+        self.l2_rejected_tokens = self.l2_bad_pages = self.l2_read_timeouts = 0
+        self.l2_loads = 0
+        self.l2_load_seconds = 0.0
+        self.l2_load_buckets = [0] * (len(LOAD_BUCKETS) + 1)  # the last one: above all bounds
 
-    # -- L1 eviction spills to L2 ------------------------------------------------------------
+    # -- the page store: admission, writes, frees -------------------------------------------
 
-    def evict(self, num_tokens: int) -> int:
-        tree, chained = self.tree, self.tree.eviction_listener
-        namespaces: dict[int, Namespace] = {}
+    def admits(self, node: TreeNode) -> bool:
+        ok = _admits(node, self.tree.turns)
+        if not ok:
+            self.l2_rejected_tokens += node.num_tokens
+        return ok
 
-        def spill(node: TreeNode) -> None:
-            self._spill(node, namespaces)
-            if chained is not None:
-                chained(node)
-
-        tree.eviction_listener = spill
-        try:
-            return super().evict(num_tokens)
-        finally:
-            tree.eviction_listener = chained
-
-    def _spill(self, node: TreeNode, namespaces: dict[int, Namespace]) -> None:
-        if not _admits(node, self.tree.turns):
-            self.l2_rejected_tokens += len(node.value)
-            return
-        start, end = node.depth - len(node.value), node.depth
-        first, last = start // PAGE_TOKENS, end // PAGE_TOKENS  # the pages ending in (start, end]
-        if last <= first:
-            return
+    def write_node(self, node: TreeNode, first: int, count: int) -> np.ndarray:
+        short = count - self.l2.num_free
+        if short > 0:
+            self.tree.evict_l2(short)
+        pages = [p for p in (self.l2.alloc() for _ in range(count)) if p is not None]
+        if not pages:
+            return np.empty(0, dtype=np.int64)
         tokens, slots, namespace = self._path(node)
-        keys = _chain(self._fingerprint, namespace, tokens, last)
-        chain = set(keys)
-        for p in range(first, last):
-            if keys[p] in self._index:
-                self._index.move_to_end(keys[p])
-                continue
-            page = self._alloc_page(chain)
-            if page is None:
-                return  # full of this chain's own pages: the head is worth more than the tail
+        keys = _chain(self._fingerprint, namespace, tokens, first + len(pages))
+        for i, page in enumerate(pages):
+            p = first + i
             payload = self._gather(slots[p * PAGE_TOKENS : (p + 1) * PAGE_TOKENS])
-            prev = keys[p - 1] if p else None
-            self._index[keys[p]] = (page, self.l2.write(page, keys[p], payload), prev)
-            if prev is not None:
-                self._successors[prev] = self._successors.get(prev, 0) + 1
-            self.l2_written_pages += 1
+            self._pending[page] = self.l2.write(page, keys[p], payload)
+        self.l2_written_pages += len(pages)
+        if len(self._pending) > 4 * self.l2.num_pages // 3 + 64:
+            self._pending = {p: f for p, f in self._pending.items() if not f.done()}
+        return np.array(pages, dtype=np.int64)
 
-    def _alloc_page(self, keep: set[bytes]) -> int | None:
-        """A free page, forgetting the least recently used *leaf* page when L2 is full: a page
-        that an indexed page continues waits for it, so chains shrink from their ends. Pages
-        in `keep` (the chain being written) are never forgotten; None if only they are left."""
-        page = self.l2.alloc()
-        while page is None:
-            leaves = (k for k in self._index if not self._successors.get(k) and k not in keep)
-            victim = next(leaves, None)
-            if victim is None:
-                return None
-            self._forget(victim)
-            page = self.l2.alloc()
-        return page
-
-    def _forget(self, key: bytes) -> None:
-        page, pending, prev = self._index.pop(key)
-        _wait(pending)  # the page is reused only once its last write is done
-        self.l2.free(page)
-        if prev is not None and prev in self._successors:
-            self._successors[prev] -= 1
-            if not self._successors[prev]:
-                del self._successors[prev]
+    def free_pages(self, pages: np.ndarray) -> None:
+        for page in pages.tolist():
+            pending = self._pending.pop(page, None)
+            if pending is not None:
+                _wait(pending)  # a page is reused only once its last write is done
+            self.l2.free(page)
 
     # -- matching continues into L2 ----------------------------------------------------------
 
     def match(self, tokens: TokenIds, namespace: Namespace = None) -> MatchResult:
         """The L1 prefix, lengthened by what L2 holds after it (loaded into tree-owned slots).
         Unlike RadixCache.match this may allocate slots and hand them to the tree."""
-        m = self.tree.match(tokens, namespace)
         ids = np.asarray(tokens, dtype=np.int64)
-        num_pages = len(ids) // PAGE_TOKENS
-        if not self._index or m.length >= num_pages * PAGE_TOKENS:
-            return m
-        keys = _chain(self._fingerprint, namespace, ids, num_pages)
-        run: list[tuple[int, bytes]] = []
-        for p in range(m.length // PAGE_TOKENS, num_pages):
-            if keys[p] not in self._index:
-                break
-            run.append((p, keys[p]))
-        if not run:
-            return m
-        return self._load(ids, namespace, m, run)
+        tm = self.tree.match_tiers(ids, namespace)
+        if not tm.chain:
+            return tm.l1
+        return self._load(ids, namespace, tm)
 
-    def _load(
-        self, ids: np.ndarray, namespace: Namespace, m: MatchResult, run: list[tuple[int, bytes]]
-    ) -> MatchResult:
-        reads = []
-        for _, key in run:
-            page, pending, _ = self._index[key]
-            self._index.move_to_end(key)
-            reads.append((page, pending))
-        payloads = []
-        for (page, pending), (_, key) in zip(reads, run, strict=True):
-            data = self.l2.read(page, key).result() if _wait(pending) else None
+    def _load(self, ids: np.ndarray, namespace: Namespace, tm: TierMatch) -> MatchResult:
+        m, tree = tm.l1, self.tree
+        tree.lock(m.node)  # the alloc below may evict; keep the prefix we extend
+        tree.pin(tm.chain[-1], True)  # ... and the chain we are about to read
+        try:
+            new = self.alloc(tm.end - m.length)
+        except OutOfSlotsError:
+            new = None
+        tree.unlock(m.node)
+        if new is None:
+            tree.pin(tm.chain[-1], False)
+            return m
+        started = time.perf_counter()
+        payloads, bad = self._read(ids, namespace, tm)
+        tree.pin(tm.chain[-1], False)
+        first = m.length // PAGE_TOKENS
+        end = max(m.length, (first + len(payloads)) * PAGE_TOKENS)
+        used = end - m.length
+        self._free_in_flight(new[used:])
+        if used:
+            self._scatter(new[:used], payloads, first * PAGE_TOKENS, m.length)
+            result = tree.promote(tm, end, new[:used])
+            self.num_in_flight -= used  # tree-owned now
+        else:
+            result = m
+        if bad:
+            self._forget_after(result.node, ids, end)
+        self._observe_load(time.perf_counter() - started, len(payloads), used)
+        return result
+
+    def _read(
+        self, ids: np.ndarray, namespace: Namespace, tm: TierMatch
+    ) -> tuple[list[bytes], bool]:
+        """The chain's pages in order, up to the first that is missing (bad: True: it is
+        doubtful) or late (bad: False)."""
+        pages = np.concatenate([c.pages for c in tm.chain if c.pages is not None])
+        first = tm.l1.length // PAGE_TOKENS
+        keys = _chain(self._fingerprint, namespace, ids, first + len(pages))
+        futures = [
+            self.l2.read(page, keys[first + i]) if self._written(page) else None
+            for i, page in enumerate(pages.tolist())
+        ]
+        payloads: list[bytes] = []
+        deadline = time.perf_counter() + self.read_timeout_s * len(futures)  # grows with size
+        for future in futures:
+            try:
+                wait_s = max(0.0, deadline - time.perf_counter())
+                data = None if future is None else future.result(wait_s)
+            except FutureTimeout:
+                self.l2_read_timeouts += 1
+                log.warning("L2 read slower than %.3f s a page: recomputing", self.read_timeout_s)
+                return payloads, False
             if data is None:
                 self.l2_bad_pages += 1
-                self._forget(key)  # doubtful: forget it, recompute
-                break
+                return payloads, True
             payloads.append(data)
-        end = (run[0][0] + len(payloads)) * PAGE_TOKENS
-        if end <= m.length:
-            return m
-        self.tree.lock(m.node)  # the alloc below may evict; keep the prefix we extend
-        try:
-            new = self.alloc(end - m.length)
-        except OutOfSlotsError:
-            self.tree.unlock(m.node)
-            return m
-        self.tree.unlock(m.node)
-        self._scatter(new, payloads, run[0][0] * PAGE_TOKENS, m.length)
-        self.l2_read_pages += len(payloads)
-        self.l2_hit_tokens += end - m.length
-        inserted = self.tree.insert(ids[:end], np.concatenate([m.slots, new]), namespace)
-        self.num_in_flight -= end - inserted.prefix_len
-        if inserted.prefix_len > m.length:  # cannot happen on one thread; keep the account
-            self._free_in_flight(new[: inserted.prefix_len - m.length])
-        return self.tree.match(ids, namespace)
+        return payloads, False
+
+    def _written(self, page: int) -> bool:
+        """Whether `page`'s last write is done and succeeded (a failed one is a miss)."""
+        pending = self._pending.pop(page, None)
+        return pending is None or _wait(pending)
+
+    def _forget_after(self, node: TreeNode, ids: np.ndarray, end: int) -> None:
+        """Forget the L2 node below `node` at `end` and everything under it: it holds a page
+        that failed its check, so nothing below it can be trusted or reached."""
+        first = ids[end : end + self.tree.page_size].tobytes()
+        child = node.l2_children.get(first)
+        if child is not None:
+            self.tree.drop_l2(child)
+
+    def _observe_load(self, seconds: float, num_pages: int, hit_tokens: int) -> None:
+        self.l2_loads += 1
+        self.l2_load_seconds += seconds
+        bucket = next((i for i, b in enumerate(LOAD_BUCKETS) if seconds <= b), len(LOAD_BUCKETS))
+        self.l2_load_buckets[bucket] += 1
+        self.l2_read_pages += num_pages
+        self.l2_hit_tokens += hit_tokens
+
+    def l2_stats(self) -> dict[str, object]:
+        """The L2 tier's counters (read in the engine thread; /v1/cache and /metrics)."""
+        page_bytes = self.l2.payload_bytes
+        return {
+            "capacity_tokens": self.l2.num_pages * PAGE_TOKENS,
+            "num_pages": self.l2.num_pages,
+            "num_free_pages": self.l2.num_free,
+            "num_tree_pages": self.tree.num_l2_pages,
+            "num_l2_nodes": self.tree.num_l2_nodes,
+            "hit_tokens": self.l2_hit_tokens,
+            "written_bytes": self.l2_written_pages * page_bytes,
+            "read_bytes": self.l2_read_pages * page_bytes,
+            "written_pages": self.l2_written_pages,
+            "read_pages": self.l2_read_pages,
+            "evicted_pages": self.tree.l2_evicted_pages,
+            "rejected_tokens": self.l2_rejected_tokens,
+            "bad_pages": self.l2_bad_pages,
+            "read_timeouts": self.l2_read_timeouts,
+            "loads": self.l2_loads,
+            "load_seconds_sum": self.l2_load_seconds,
+            "load_seconds_buckets": dict(zip([*map(str, LOAD_BUCKETS), "+Inf"],
+                                             self.l2_load_buckets, strict=True)),
+        }  # fmt: skip
 
     # -- KV copies between the pool and page payloads ----------------------------------------
 
@@ -214,14 +251,14 @@ class TieredRadixCache(RadixCache):
         return tokens, self.tree.path_slots(node), top.namespace
 
     def check_integrity(self) -> None:
+        """Both tiers' tree invariants, the slot account and the page account."""
         super().check_integrity()
         from radixlm.cache.integrity import IntegrityError
 
-        pages = [page for page, _, _ in self._index.values()]
-        if len(set(pages)) != len(pages) or self.l2.num_free + len(pages) != self.l2.num_pages:
+        held, free = self.tree.num_l2_pages, self.l2.num_free
+        if held + free != self.l2.num_pages:
             raise IntegrityError(
-                f"L2 page account: {self.l2.num_free} free + {len(pages)} indexed "
-                f"!= {self.l2.num_pages} pages, or a page indexed twice"
+                f"L2 page account: {free} free + {held} held by nodes != {self.l2.num_pages}"
             )
 
     def close(self) -> None:

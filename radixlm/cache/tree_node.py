@@ -3,6 +3,10 @@
 `TreeNode` is the lower end of an edge: `key` holds the edge's token ids (int64 bytes) and
 `value` their KV slot ids. Callers only hold nodes that they locked (or got from the match
 they are about to lock); `depth` is -1 once a node was evicted.
+
+With an L2 tier (cache/tiered_tree.py) a node may also hold disk pages (`pages`), and a node
+whose RAM slots were dropped (`value` empty) hangs in its parent's `l2_children` instead of
+`children`, so every walk over `children` sees exactly the RAM tier (L1).
 """
 
 from __future__ import annotations
@@ -29,10 +33,15 @@ class TreeNode:
         "evict_seq",
         "hits",
         "key",
+        "l2_children",
+        "l2_kids",
+        "l2_pinned",
+        "l2_seq",
         "last_access",
         "lock_ref",
         "namespace",
         "own_locks",
+        "pages",
         "parent",
         "priority",
         "turn",
@@ -57,6 +66,22 @@ class TreeNode:
         self.turn = 0  # inferred conversation turn of the request that inserted it; roots 0
         self.turn_below = 0  # the deepest turn among its evicted descendants (cache/turns.py)
         self.priority = 0  # kept by policies that store their priority (never lowered)
+        # The L2 tier (cache/tiered_tree.py); untouched without one.
+        self.pages: np.ndarray | None = None  # L2 page ids of the pages ending in this edge
+        self.l2_children: dict[bytes, TreeNode] = {}  # children held on L2 only (no slots)
+        self.l2_kids = 0  # children (either dict) that hold pages
+        self.l2_seq = 0  # != 0 while the node is in the L2 eviction order
+        self.l2_pinned = False  # a load is reading this node's chain: not evictable from L2
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens on the edge (its slots when in RAM; none of them when held on L2 only)."""
+        return len(self.key) // TOKEN_BYTES
+
+    @property
+    def start(self) -> int:
+        """Tokens from the root to the start of this edge."""
+        return self.depth - len(self.key) // TOKEN_BYTES
 
     @property
     def tokens(self) -> np.ndarray:

@@ -1,0 +1,353 @@
+"""The radix tree with an L2 tier: a node owns RAM slots (L1), disk pages (L2), or both.
+
+Pages are runs of PAGE_TOKENS tokens at fixed positions of a sequence (page p holds tokens
+[64p, 64p + 64)), and a node holds either no pages or every page that ends inside its edge:
+
+    tokens  0 .......... 64 .......... 128 .......... 192 .......... 256
+    nodes   [ sys 0..100: L1 ][ turn 1 100..192: L1 + L2 ][ turn 2 192..256: L2 only ]
+    pages     none (no copy)    pages 1, 2 (page 1 holds       page 3
+                                sys's tokens 64..100 too)
+
+Moving between tiers:
+- L1 evicts a leaf (no child in RAM): its slots are freed and, when it is worth keeping (the
+  store's admission, or L2 children that would be unreachable without it), its pages are
+  written first and it moves to its parent's `l2_children`. A tail no page covers is cut off.
+- `match_tiers` walks L1 as `match` does, then continues through `l2_children` and ends the
+  continuation on a page boundary; `promote` gives the loaded nodes their new slots.
+- An insert that runs into an L2 node claims it with the inserted slots (its pages stay).
+- L2 evicts leaf-first (no child with pages) in LRU order from a lazy heap: an L1+L2 node
+  drops its copy; an L2-only leaf gives up its last pages (chains shrink from their ends).
+
+Invariants (`check_l2` in cache/integrity.py): besides those of RadixTree, a node without slots
+holds pages, no lock and only L2 children, and ends on a page boundary or has a child (whose
+first page holds its tail); RAM nodes form a subtree at each root; the L2 order holds exactly
+the unpinned nodes with pages and no child with pages; the page counter is the pages held.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import NamedTuple, Protocol
+
+import numpy as np
+
+from radixlm.cache.radix_tree import MatchResult, RadixTree
+from radixlm.cache.tree_node import NO_SLOTS, TOKEN_BYTES, Namespace, TokenIds, TreeNode
+
+PAGE_TOKENS = 64
+
+
+class PageStore(Protocol):
+    """Where a TieredTree's pages live (cache/tiered_cache.py)."""
+
+    def admits(self, node: TreeNode) -> bool:
+        """Whether `node`, leaving RAM, is worth writing to L2."""
+
+    def write_node(self, node: TreeNode, first: int, count: int) -> np.ndarray:
+        """Write pages first .. first+count-1 of `node`'s path (its slots still hold the KV);
+        the page ids of the leading ones written (fewer when L2 is full)."""
+
+    def free_pages(self, pages: np.ndarray) -> None:
+        """Give pages back once no node holds them."""
+
+
+class TierMatch(NamedTuple):
+    l1: MatchResult  # the prefix in RAM, as RadixTree.match returns it
+    chain: tuple[TreeNode, ...]  # the L2-only nodes that continue it, down to `end`
+    end: int  # where the continuation ends (a page boundary); l1.length when there is none
+
+
+class TieredTree(RadixTree):
+    """A RadixTree whose evicted nodes may stay on L2 pages (see the module docstring)."""
+
+    def __init__(self, store: PageStore, page_size: int = 1, policy: str = "lru") -> None:
+        if PAGE_TOKENS % page_size:
+            raise ValueError(f"page_size {page_size} does not divide the L2 page")
+        super().__init__(page_size=page_size, policy=policy)
+        self.store = store
+        self.l2_order = L2Order()
+        self.num_l2_nodes = 0  # nodes held on L2 only
+        self.num_l2_pages = 0  # pages held by nodes
+        self.l2_evicted_pages = 0
+
+    # -- match: the RAM prefix and its L2 continuation --------------------------------------
+
+    def match_tiers(self, tokens: TokenIds, namespace: Namespace = None) -> TierMatch:
+        """`match`, then the L2 nodes that continue it, ending on a page boundary (the last one
+        split there). Touches them (L2 LRU). Pin `chain[-1]` before anything can evict L2."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        m = self.match(ids, namespace)
+        node = m.node
+        if not node.l2_children:
+            return TierMatch(m, (), m.length)
+        buf, page_b = self._page_bytes_of(ids), self._page_bytes
+        pos, chain = m.length * TOKEN_BYTES, []
+        while pos < len(buf):
+            child = node.l2_children.get(buf[pos : pos + page_b])
+            if child is None:
+                break
+            chain.append(child)
+            if not buf.startswith(child.key, pos):
+                pos += self._common_len(child.key, buf, pos) * TOKEN_BYTES
+                break
+            pos += len(child.key)
+            node = child
+        end = pos // TOKEN_BYTES // PAGE_TOKENS * PAGE_TOKENS
+        chain = [c for c in chain if c.start < end]
+        if not chain:
+            return TierMatch(m, (), m.length)
+        if chain[-1].depth > end:
+            chain[-1] = self._split(chain[-1], end - chain[-1].start)
+        for c in chain:
+            c.last_access = self._clock
+        return TierMatch(m, tuple(chain), end)
+
+    def promote(self, match: TierMatch, end: int, slots: np.ndarray) -> MatchResult:
+        """The chain's KV up to `end` (a page boundary) was loaded into `slots` (tokens
+        match.l1.length .. end): those nodes join L1. Returns the lengthened match."""
+        m = match.l1
+        node, tick = m.node, self._clock
+        for c in match.chain:
+            if c.start >= end:
+                break
+            if c.depth > end:
+                c = self._split(c, end - c.start)
+            self._promote(c, slots[c.start - m.length : c.depth - m.length], tick)
+            node = c
+        return MatchResult(end, np.concatenate([m.slots, slots]), node)
+
+    def pin(self, node: TreeNode, pinned: bool) -> None:
+        """Keep `node` (and so its L2 ancestors) out of L2 eviction while a load reads it."""
+        node.l2_pinned = pinned
+        if pinned and node.l2_seq:
+            self.l2_order.discard(node)
+        elif not pinned:
+            self._maybe_l2_leaf(node)
+
+    # -- leaving and entering RAM -------------------------------------------------------------
+
+    def _leave_l1(self, node: TreeNode) -> None:
+        if node.pages is None and (node.l2_children or self.store.admits(node)):
+            self._write(node)
+        if node.pages is None:
+            for child in list(node.l2_children.values()):
+                self.drop_l2(child)  # unreachable without this node
+            super()._leave_l1(node)
+            return
+        parent = node.parent
+        assert parent is not None
+        first = node.key[: self._page_bytes]
+        del parent.children[first]
+        parent.l2_children[first] = node
+        node.value = NO_SLOTS
+        self.num_nodes -= 1
+        self.num_l2_nodes += 1
+        self._settle(node)
+        self._after_child_left(parent)
+
+    def _write(self, node: TreeNode) -> None:
+        """Give `node` its pages (those ending in its edge), cutting it where L2 ran out."""
+        first, last = node.start // PAGE_TOKENS, node.depth // PAGE_TOKENS
+        if last == first and not node.l2_children:
+            return  # no page ends here and nothing below needs this node
+        pages = self.store.write_node(node, first, last - first) if last > first else NO_SLOTS
+        if len(pages) < last - first:
+            for child in list(node.l2_children.values()):
+                self.drop_l2(child)
+            if not len(pages):
+                return
+            self._cut(node, (first + len(pages)) * PAGE_TOKENS)
+        self._set_pages(node, pages)
+
+    def _claim_lower_tier(
+        self, node: TreeNode, buf: bytes, pos: int, slots: np.ndarray, tick: int
+    ) -> tuple[TreeNode, int]:
+        page_b = self._page_bytes
+        while pos < len(buf):
+            child = node.l2_children.get(buf[pos : pos + page_b])
+            if child is None:
+                break
+            if not buf.startswith(child.key, pos):
+                child = self._split(child, self._common_len(child.key, buf, pos))
+            at = pos // TOKEN_BYTES
+            self._promote(child, slots[at : at + child.num_tokens], tick)
+            self._inserted_tokens += child.num_tokens
+            pos += len(child.key)
+            node = child
+        return node, pos
+
+    def _promote(self, node: TreeNode, slots: np.ndarray, tick: int) -> None:
+        """An L2-only node gets RAM slots and joins L1 (an evictable leaf); it keeps its pages."""
+        parent = node.parent
+        assert parent is not None and len(slots) == node.num_tokens
+        first = node.key[: self._page_bytes]
+        del parent.l2_children[first]
+        parent.children[first] = node
+        value = slots.copy()
+        value.setflags(write=False)
+        node.value = value
+        node.last_access = tick
+        self._touch(node, tick)
+        if parent.evict_seq:
+            self._order.discard(parent)  # it has a child in RAM now
+        self._order.add(node)
+        self.evictable_tokens += len(value)
+        self.num_nodes += 1
+        self.num_l2_nodes -= 1
+
+    def _split(self, child: TreeNode, k: int) -> TreeNode:
+        start, on_l2 = child.start, len(child.value) == 0
+        upper = super()._split(child, k)
+        if child.pages is not None:  # each part keeps the pages ending in it
+            n = (start + k) // PAGE_TOKENS - start // PAGE_TOKENS
+            upper.pages, child.pages = child.pages[:n], child.pages[n:]
+            upper.l2_kids = 1
+        if on_l2:
+            self.num_nodes -= 1
+            self.num_l2_nodes += 1
+        return upper
+
+    # -- L2 eviction: leaf-first, least recently used ---------------------------------------
+
+    def evict_l2(self, num_pages: int) -> int:
+        """Free at least `num_pages` pages if that many are evictable; returns pages freed."""
+        freed = 0
+        while freed < num_pages and self.l2_order.num_members:
+            node = self.l2_order.pop()
+            pages = node.pages
+            assert pages is not None
+            if len(node.value):  # RAM keeps the KV: just drop the copy
+                freed += len(pages)
+                self._set_pages(node, None)
+            elif len(pages) > num_pages - freed:  # give up only the last pages needed
+                keep = len(pages) - (num_pages - freed)
+                freed += len(pages) - keep
+                self.store.free_pages(pages[keep:])
+                self.num_l2_pages -= len(pages) - keep
+                node.pages = pages[:keep]
+                self._cut(node, (node.start // PAGE_TOKENS + keep) * PAGE_TOKENS)
+                self.l2_order.add(node)
+            else:
+                freed += len(pages)
+                self.drop_l2(node)
+        self.l2_evicted_pages += freed
+        return freed
+
+    def drop_l2(self, node: TreeNode) -> None:
+        """Forget an L2-only node and everything below it (doubtful, or unreachable)."""
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.l2_children.values())
+            if n.pages is not None:
+                self.store.free_pages(n.pages)
+                self.num_l2_pages -= len(n.pages)
+            if n.l2_seq:
+                self.l2_order.discard(n)
+            n.depth = -1
+            self.num_l2_nodes -= 1
+        parent = node.parent
+        assert parent is not None
+        del parent.l2_children[node.key[: self._page_bytes]]
+        parent.l2_kids -= 1
+        self._l2_child_gone(parent)
+
+    def flush_l2(self) -> int:
+        """Evict every unpinned page; returns how many."""
+        return self.evict_l2(self.num_l2_pages)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _set_pages(self, node: TreeNode, pages: np.ndarray | None) -> None:
+        parent = node.parent
+        assert parent is not None
+        if node.pages is not None:
+            self.store.free_pages(node.pages)
+            self.num_l2_pages -= len(node.pages)
+            parent.l2_kids -= 1
+            if node.l2_seq:
+                self.l2_order.discard(node)
+        node.pages = pages
+        if pages is not None:
+            self.num_l2_pages += len(pages)
+            parent.l2_kids += 1
+            if parent.l2_seq:
+                self.l2_order.discard(parent)
+            self._maybe_l2_leaf(node)
+        else:
+            self._maybe_l2_leaf(parent)
+
+    def _settle(self, node: TreeNode) -> None:
+        """An L2-only node without children keeps no tail beyond its last page."""
+        if node.l2_children or node.l2_pinned or not node.depth % PAGE_TOKENS:
+            self._maybe_l2_leaf(node)
+            return
+        cut = node.depth // PAGE_TOKENS * PAGE_TOKENS
+        if cut <= node.start:
+            self.drop_l2(node)  # holds no page of its own: its tokens were in a child's
+        else:
+            self._cut(node, cut)
+            self._maybe_l2_leaf(node)
+
+    def _l2_child_gone(self, parent: TreeNode) -> None:
+        if parent.parent is None:  # a root
+            if not parent.children and not parent.l2_children and parent.namespace is not None:
+                del self._roots[parent.namespace]
+        elif len(parent.value) == 0:
+            self._settle(parent)
+        else:
+            self._maybe_l2_leaf(parent)
+
+    def _cut(self, node: TreeNode, end: int) -> None:
+        """Shorten the edge of a node without RAM children so that it ends at `end`."""
+        node.key = node.key[: (end - node.start) * TOKEN_BYTES]
+        node.value = node.value[: end - node.start] if len(node.value) else NO_SLOTS
+        node.depth = end
+
+    def _maybe_l2_leaf(self, node: TreeNode) -> None:
+        if node.pages is not None and not node.l2_kids and not node.l2_pinned and not node.l2_seq:
+            self.l2_order.add(node)
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        from radixlm.cache.integrity import check_l2
+
+        check_l2(self)
+
+
+class L2Order:
+    """Nodes that L2 may evict, least recently used first (a lazy min-heap on last_access,
+    which never decreases). A node is a member iff `l2_seq != 0`."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, TreeNode]] = []
+        self._next_seq = 0
+        self.num_members = 0
+
+    def add(self, node: TreeNode) -> None:
+        self._next_seq += 1
+        node.l2_seq = self._next_seq
+        heapq.heappush(self._heap, (node.last_access, self._next_seq, node))
+        self.num_members += 1
+        if len(self._heap) > 2 * self.num_members + 1024:  # drop stale entries in bulk
+            live = [(n.last_access, s, n) for _, s, n in self._heap if n.l2_seq == s]
+            heapq.heapify(live)
+            self._heap = live
+
+    def discard(self, node: TreeNode) -> None:
+        node.l2_seq = 0
+        self.num_members -= 1
+
+    def pop(self) -> TreeNode:
+        while True:
+            tick, seq, node = heapq.heappop(self._heap)
+            if node.l2_seq != seq:
+                continue
+            if node.last_access != tick:
+                heapq.heappush(self._heap, (node.last_access, seq, node))
+                continue
+            self.discard(node)
+            return node
+
+    def members(self) -> list[TreeNode]:
+        return [n for _, s, n in self._heap if n.l2_seq == s]

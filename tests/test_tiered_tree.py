@@ -1,0 +1,225 @@
+"""TieredTree (cache/tiered_tree.py) against a brute-force reference, without a model or disk.
+
+Random inserts, loads, RAM evictions and L2 evictions run on a tree whose page store keeps
+each page's tokens in memory. After every operation: both tiers' invariants (check_integrity),
+the slot account (free + tree == capacity) and the page account (free + held == pages); every
+slot a match returns holds the token it was inserted for, every page a load reads holds the
+query's tokens at its position, and nothing longer than the longest inserted prefix is found.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixlm.cache.tiered_tree import PAGE_TOKENS, TieredTree
+from radixlm.cache.tree_node import TreeNode
+
+NUM_SLOTS = 700
+
+
+class MemoryStore:
+    """A page store that remembers each page's tokens (the KV a page would hold)."""
+
+    def __init__(self, admit: bool, num_pages: int) -> None:
+        self.admit = admit
+        self.num_pages = num_pages
+        self.free = list(range(num_pages))
+        self.tokens: dict[int, bytes] = {}
+        self.tree: TieredTree
+
+    def admits(self, node: TreeNode) -> bool:
+        return self.admit
+
+    def write_node(self, node: TreeNode, first: int, count: int) -> np.ndarray:
+        if count > len(self.free):
+            self.tree.evict_l2(count - len(self.free))
+        pages = [self.free.pop() for _ in range(min(count, len(self.free)))]
+        path = np.frombuffer(path_tokens(node), dtype=np.int64)
+        for i, page in enumerate(pages):
+            at = (first + i) * PAGE_TOKENS
+            self.tokens[page] = path[at : at + PAGE_TOKENS].tobytes()
+        return np.array(pages, dtype=np.int64)
+
+    def free_pages(self, pages: np.ndarray) -> None:
+        for page in pages.tolist():
+            del self.tokens[page]
+            self.free.append(page)
+
+
+def path_tokens(node: TreeNode) -> bytes:
+    keys = []
+    while node.parent is not None:
+        keys.append(node.key)
+        node = node.parent
+    return b"".join(reversed(keys))
+
+
+class Harness:
+    def __init__(self, admit: bool, num_pages: int = 12) -> None:
+        self.store = MemoryStore(admit, num_pages)
+        self.tree = TieredTree(self.store)
+        self.store.tree = self.tree
+        self.free = set(range(NUM_SLOTS))
+        self.token_of: dict[int, int] = {}  # slot -> the token whose KV it holds
+        self.inserted: list[np.ndarray] = []
+
+    def alloc(self, n: int) -> np.ndarray | None:
+        if n > len(self.free):
+            self.free.update(self.tree.evict(n - len(self.free)).slots.tolist())
+        if n > len(self.free):
+            return None
+        return np.array([self.free.pop() for _ in range(n)], dtype=np.int64)
+
+    def insert(self, seq: np.ndarray) -> None:
+        slots = self.alloc(len(seq))
+        if slots is None:
+            return
+        for slot, token in zip(slots.tolist(), seq.tolist(), strict=True):
+            self.token_of[slot] = token
+        res = self.tree.insert(seq, slots)
+        self.free.update(slots[: res.prefix_len].tolist())  # already cached: not used
+        self.inserted.append(seq)
+
+    def load(self, seq: np.ndarray) -> None:
+        tm = self.tree.match_tiers(seq)
+        length = tm.l1.length
+        if tm.chain:
+            for node in tm.chain:  # every page on the chain holds the query's tokens
+                assert node.pages is not None
+                first = node.start // PAGE_TOKENS
+                for i, page in enumerate(node.pages.tolist()):
+                    at = (first + i) * PAGE_TOKENS
+                    assert self.store.tokens[page] == seq[at : at + PAGE_TOKENS].tobytes()
+            self.tree.lock(tm.l1.node)
+            self.tree.pin(tm.chain[-1], True)
+            slots = self.alloc(tm.end - length)
+            self.tree.unlock(tm.l1.node)
+            self.tree.pin(tm.chain[-1], False)
+            if slots is not None:
+                for slot, token in zip(slots.tolist(), seq[length : tm.end].tolist(), strict=True):
+                    self.token_of[slot] = token
+                m = self.tree.promote(tm, tm.end, slots)
+                assert m.length == tm.end and m.node.depth == tm.end
+                length = m.length
+        m = self.tree.match(seq)
+        assert m.length >= length
+        assert [self.token_of[s] for s in m.slots.tolist()] == seq[: m.length].tolist()
+        longest = max((_common(seq, s) for s in self.inserted), default=0)
+        assert m.length <= longest
+
+    def check(self) -> None:
+        self.tree.check_integrity()
+        assert len(self.free) + self.tree.num_tokens == NUM_SLOTS
+        assert len(self.store.free) + self.tree.num_l2_pages == self.store.num_pages
+
+
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+# Sequences share prefixes: a base (one of three) continued by a few random runs.
+sequences = st.lists(
+    st.tuples(st.integers(0, 2), st.lists(st.tuples(st.integers(1, 150), st.integers(0, 2)),
+                                          min_size=1, max_size=4)),
+    min_size=2, max_size=8,
+)  # fmt: skip
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), st.integers(0, 7)),
+        st.tuples(st.just("load"), st.integers(0, 7)),
+        st.tuples(st.just("evict"), st.integers(1, 400)),
+        st.tuples(st.just("evict_l2"), st.integers(1, 6)),
+    ),
+    max_size=30,
+)
+
+
+def build(spec: list[tuple[int, list[tuple[int, int]]]]) -> list[np.ndarray]:
+    bases = [np.full(70 + 30 * b, 10 + b, dtype=np.int64) for b in range(3)]
+    out = []
+    for base, runs in spec:
+        parts = [bases[base]] + [20 + t + np.arange(n, dtype=np.int64) % 3 for n, t in runs]
+        out.append(np.concatenate(parts))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(spec=sequences, script=ops, admit=st.booleans(), num_pages=st.integers(1, 12))
+def test_both_tiers_keep_their_invariants_and_serve_only_the_right_tokens(
+    spec: list[tuple[int, list[tuple[int, int]]]],
+    script: list[tuple[str, int]],
+    admit: bool,
+    num_pages: int,
+) -> None:
+    seqs = build(spec)
+    h = Harness(admit, num_pages)
+    for op, arg in script:
+        if op == "insert":
+            h.insert(seqs[arg % len(seqs)])
+        elif op == "load":
+            h.load(seqs[arg % len(seqs)])
+        elif op == "evict":
+            h.free.update(h.tree.evict(arg).slots.tolist())
+        else:
+            h.tree.evict_l2(arg)
+        h.check()
+    h.free.update(h.tree.flush().slots.tolist())
+    h.tree.flush_l2()
+    h.check()
+    assert h.tree.num_tokens == 0 and h.tree.num_l2_pages == 0
+
+
+def test_a_conversation_leaves_ram_and_comes_back_whole() -> None:
+    h = Harness(admit=True)
+    turn1 = np.arange(100, dtype=np.int64)
+    turn2 = np.concatenate([turn1, np.arange(1000, 1150, dtype=np.int64)])
+    h.insert(turn1)
+    h.insert(turn2)
+    h.free.update(h.tree.flush().slots.tolist())
+    h.check()
+    assert h.tree.num_tokens == 0 and h.tree.num_l2_pages == 250 // PAGE_TOKENS
+    tm = h.tree.match_tiers(turn2)
+    assert tm.l1.length == 0 and tm.end == 192  # whole pages only: the tail is recomputed
+    h.load(turn2)
+    h.check()
+    assert h.tree.match(turn2).length == 192
+
+
+A = np.arange(300, dtype=np.int64)
+B = np.concatenate([A[:200], np.arange(5000, 5100, dtype=np.int64)])
+
+
+def test_a_load_that_diverges_inside_an_l2_edge_ends_on_a_page_boundary() -> None:
+    h = Harness(admit=True)
+    h.insert(A)
+    h.free.update(h.tree.flush().slots.tolist())  # A -> pages 0..3; its tail 256..300 is cut
+    assert h.tree.num_l2_pages == 4
+    h.load(B)  # shares 200 tokens with A: loads 192, the L2 node split there
+    h.check()
+    assert h.tree.match(B).length == 192 and h.tree.num_l2_nodes == 1
+
+
+def test_an_insert_claims_the_l2_nodes_it_recomputed() -> None:
+    h = Harness(admit=True)
+    h.insert(A)
+    h.free.update(h.tree.flush().slots.tolist())
+    h.insert(B)  # computed without a load: A's L2 node is split at 200 and claimed up to it
+    h.check()
+    assert h.tree.match(B).length == len(B)
+    assert h.tree.num_l2_pages == 4 and h.tree.num_l2_nodes == 1  # 200..256 stays on L2
+
+
+def test_a_full_l2_keeps_the_head_of_a_chain() -> None:
+    h = Harness(admit=True, num_pages=2)
+    h.insert(A)
+    h.insert(B)
+    h.free.update(h.tree.flush().slots.tolist())
+    h.check()
+    assert h.tree.num_l2_pages == 2
+    h.load(A)
+    h.check()
+    assert h.tree.match(A).length == 2 * PAGE_TOKENS
