@@ -43,7 +43,7 @@ def _all_decoding(engine: Any, ids: list[str]) -> bool:
         samples = [r for rid in ids for r in engine.requests(rid)]
     except KeyError:  # one has finished
         return False
-    return all(r.num_computed >= r.prompt_len and not r.finished for r in samples)
+    return all(r.computed_len >= r.prompt_len and not r.finished for r in samples)
 
 
 def grammar_overhead(dtype: str = "float32", steps: int = 24, batch: int = 8) -> dict[str, Any]:

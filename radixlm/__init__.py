@@ -8,12 +8,25 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from radixlm.request import RequestOutput, SamplingParams
+from radixlm.request import (
+    CompletionOutput,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 
 if TYPE_CHECKING:
     from radixlm.engine.llm import LLM
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "FinishReason",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenLogprob",
+]
 __version__ = "0.1.0"
 
 

@@ -13,13 +13,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
-from radixlm.request import SamplingParams
+from radixlm.request import FinishReason, SamplingParams
 from radixlm.tokenizer import Tokenizer
-
-# "stop": a stop string, a stop token or eos; "length": max_tokens. (OpenAI's names.)
-FinishReason = Literal["stop", "length"]
 
 _REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
 
@@ -133,7 +130,7 @@ def _partial_stop_len(text: str, stop: Sequence[str]) -> int:
 
 class TextDelta(NamedTuple):
     text: str  # new output text for the client (may be "")
-    finish_reason: FinishReason | None  # None while the output goes on
+    finish_reason: FinishReason | None  # "stop" or "length" when it ends here, else None
 
 
 class OutputStream:

@@ -1,34 +1,20 @@
-"""Requests: how a request samples (SamplingParams), its state in the engine, and what it returns.
+"""The public request types: how a request samples, and what it returns. Torch-free.
 
 `SamplingParams` is shared by the offline API, the engine and the server; it validates itself on
-construction, so every later stage may trust it. `Request` is one sequence inside the engine: its
-token ids, how many of them have KV in the pool, and which slots hold that KV. `RequestOutput` is
-what callers get back; `StreamDelta` is one step's increment of a running request.
-
-A request's tokens are `all_ids = prompt + output`. Its KV covers `all_ids[:num_computed]` and lives
-in `slots`; the first `cached_len` of those slots belong to the radix tree (the request holds a
-lock on `node`, the tree node ending there), the rest are in flight (owned by the request).
-Each step computes `all_ids[num_computed : num_computed + k]`; when that reaches the end of
-`all_ids`, the step's logits sample the next token. The scheduler moves these four fields and
-nothing else does. Prefill and decode are the same operation
-with different k.
+construction, so every later stage may trust it. `RequestOutput` is what the offline API returns
+(one `CompletionOutput` per sample); `StreamDelta` is one step's increment of a running request
+(what the AsyncEngine streams). The engine's own view of a request is
+`radixlm.engine.request.Request`.
 """
 
 from __future__ import annotations
 
-import enum
 import math
-import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
-import numpy as np
-
-if TYPE_CHECKING:  # the engine's types; importing them here at run time would be a cycle
+if TYPE_CHECKING:  # the grammar library is the agents' business, imported where it is used
     from radixlm.agents.grammar import GrammarMatcher
-    from radixlm.cache.tree_node import TreeNode
-    from radixlm.detokenizer import OutputStream
-    from radixlm.engine.sampler import SamplingState
 
 
 class Constraint(Protocol):
@@ -113,87 +99,19 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-class RequestState(enum.Enum):
-    WAITING = "waiting"  # queued; holds no slots and no lock
-    RUNNING = "running"  # admitted; holds a lock on `node` and its in-flight slots
-    FINISHED = "finished"  # done; every slot handed to the tree or freed
-
-
-FinishReason = str  # "stop" (eos, stop token or stop string), "length", "abort", "error"
+# Why an output ended: "stop" (eos, a stop token or a stop string), "length" (max_tokens),
+# "abort" (the caller stopped it), "error" (it failed; `error` says why). OpenAI's names.
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """The sampled token's log-probability and the most likely alternatives at that step."""
+    """The sampled token's log-probability under the model's raw distribution, and the most
+    likely alternatives at that step."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token_id, logprob), most likely first
-
-
-@dataclass(eq=False)
-class Request:
-    """One sequence in the engine (a request with n > 1 becomes n of these)."""
-
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    namespace: str | None = None  # cache_salt: requests in different namespaces share nothing
-    index: int = 0  # which of the request's n samples this is
-    arrival_time: float = field(default_factory=time.perf_counter)
-
-    state: RequestState = RequestState.WAITING
-    output_ids: list[int] = field(default_factory=list)
-    all_ids: list[int] = field(init=False)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-
-    # KV bookkeeping (see the module docstring). One writer: the Scheduler, when it admits,
-    # postprocesses, retracts or removes the request; the rest of the engine only reads them.
-    node: TreeNode | None = None
-    slots: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
-    cached_len: int = 0
-    num_computed: int = 0
-    cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
-
-    # Forks of an n > 1 request wait here until the first sample's prompt is computed.
-    forks: list[Request] = field(default_factory=list)
-
-    # Timings (perf_counter seconds).
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    # Scheduling state while waiting: the key admission matches, and the cached-prefix length
-    # the tree had for it at `hint_version` (re-peeked only when the tree changed).
-    lookup_key: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
-    match_hint: int = 0
-    hint_version: object = None
-    wait_steps: int = 0  # scheduling passes spent waiting (the LPM age bound)
-
-    # Per-request sampling and text state, set by the engine right after construction.
-    sampling: SamplingState = field(init=False, repr=False)
-    text: OutputStream = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self.all_ids = list(self.prompt_ids)
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_ids)
-
-    @property
-    def seq_len(self) -> int:
-        return len(self.all_ids)
-
-    @property
-    def remaining_len(self) -> int:
-        """Tokens whose KV is not computed yet (1 while decoding)."""
-        return len(self.all_ids) - self.num_computed
-
-    @property
-    def finished(self) -> bool:
-        return self.state is RequestState.FINISHED
 
 
 @dataclass(frozen=True)
@@ -204,7 +122,7 @@ class RequestMetrics:
     total_s: float  # arrival -> finished
 
 
-@dataclass
+@dataclass(frozen=True)
 class CompletionOutput:
     """One of a request's n samples."""
 
@@ -215,7 +133,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class RequestOutput:
     """The result of a finished request (LLM.generate) or its state so far."""
 

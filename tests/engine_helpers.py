@@ -12,7 +12,8 @@ from helpers import save_tiny_model
 
 from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
 from radixlm.engine.engine import Engine
-from radixlm.request import Request, SamplingParams
+from radixlm.engine.request import Request
+from radixlm.request import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

@@ -10,6 +10,7 @@ import pytest
 from engine_helpers import GREEDY, assert_idle, outputs, run
 
 from radixlm.engine.engine import Engine, ForwardError
+from radixlm.engine.request import request_output
 from radixlm.request import RequestOutput, SamplingParams
 
 
@@ -31,7 +32,7 @@ def test_greedy_outputs_do_not_depend_on_the_cache(make_engine: Callable[..., En
     # Again on the warm tree: now most prompts are cache hits, outputs must not move.
     warm = run(radix, prompts)
     assert outputs(warm) == reference
-    assert sum(s[0].cached_tokens or 0 for s in warm) > 0
+    assert sum(s[0].cache_hit_len or 0 for s in warm) > 0
 
 
 def test_chunked_batched_and_alone_agree(make_engine: Callable[..., Engine]) -> None:
@@ -67,7 +68,7 @@ def test_prefill_of_a_fully_cached_prompt_recomputes_only_its_last_token(
     before = engine.stats.prefill_tokens
     second = run(engine, [prompt])
     assert engine.stats.prefill_tokens - before == 1
-    assert second[0][0].cached_tokens == len(prompt) - 1
+    assert second[0][0].cache_hit_len == len(prompt) - 1
     assert outputs(first) == outputs(second)
 
 
@@ -154,7 +155,7 @@ def test_abort_at_any_stage_returns_every_slot(
     for _ in range(steps):
         engine.step()
     if when == "mid-prefill":
-        assert 0 < target.num_computed < len(prompt)
+        assert 0 < target.computed_len < len(prompt)
     if when == "mid-decode":
         assert target.output_ids
     deltas = engine.abort(rid)
@@ -210,13 +211,11 @@ def test_lpm_age_bound_lets_a_cold_request_through(make_engine: Callable[..., En
 
 
 def _generate(engine: Engine, prompt: list[int], params: SamplingParams) -> RequestOutput:
-    from radixlm.engine.llm import _output
-
     rid = engine.add_request(prompt, params)
     samples = engine.requests(rid)
     while engine.has_unfinished():
         engine.step()
-    return _output(rid, samples)
+    return request_output(rid, samples)
 
 
 def test_a_failed_forward_pass_fails_its_requests_and_no_other(

@@ -20,10 +20,11 @@ from hypothesis import strategies as st
 from radixlm.detokenizer import OutputStream, TextDelta
 from radixlm.engine.async_engine import AsyncEngine
 from radixlm.engine.engine import Engine
+from radixlm.engine.request import Request
 from radixlm.engine.sampler import SamplingState
 from radixlm.engine.scheduler import SchedulerOutput
 from radixlm.model.forward_batch import ForwardBatch
-from radixlm.request import Request, SamplingParams, StreamDelta
+from radixlm.request import SamplingParams, StreamDelta
 
 MAX_TOKENS = 10
 PARAMS = [  # one per prompt: greedy, n = 2 (seeded forks), seeded sampling, greedy again
@@ -117,7 +118,7 @@ def submit_and_run(
         if fault.stage == "sampling":
             req.sampling = FaultySampling(req.sampling, fault.fail_at)
         elif fault.stage == "detokenizing":
-            faulty_detokenizer(req.text, fault.fail_at)
+            faulty_detokenizer(req.output_stream, fault.fail_at)
     nan_logits(engine, [f for f in faults if f.stage == "logits"], samples)
     deltas = []
     while engine.has_unfinished():
@@ -218,7 +219,7 @@ def test_the_failing_stream_ends_with_an_error_and_the_others_finish(
         def add_with_fault(*args: Any, **kwargs: Any) -> str:
             rid = add(*args, **kwargs)
             if rid == "faulty":
-                faulty_detokenizer(engine.requests(rid)[0].text, fail_at=3)
+                faulty_detokenizer(engine.requests(rid)[0].output_stream, fail_at=3)
             return rid
 
         engine.add_request = add_with_fault  # type: ignore[method-assign]

@@ -1,5 +1,5 @@
 """The Scheduler is the one writer of a request's KV state (issue 14): `node`, `slots`,
-`cached_len`, `num_computed` (and `forks`, the samples that will start on its prompt) change
+`cached_len`, `computed_len` (and `forks`, the samples that will start on its prompt) change
 only inside radixlm/engine/scheduler.py, through every
 path a request can take (chunked prefill, n > 1 forks, pages, retraction, abort, a failed
 request, a failed forward pass), and each path ends with the slot account at idle."""
@@ -17,9 +17,10 @@ import pytest
 from engine_helpers import assert_idle, outputs, run
 
 from radixlm.engine.engine import Engine, ForwardError
-from radixlm.request import Request, SamplingParams
+from radixlm.engine.request import Request
+from radixlm.request import SamplingParams
 
-KV_FIELDS = {"node", "slots", "cached_len", "num_computed", "forks"}  # forks: who waits on it
+KV_FIELDS = {"node", "slots", "cached_len", "computed_len", "forks"}  # forks: who waits on it
 
 
 @pytest.fixture
@@ -81,7 +82,7 @@ def fail_a_request(engine: Engine, prompt: list[int]) -> None:
     def broken(token_id: int) -> Any:
         raise RuntimeError("injected detokenizer fault")
 
-    req.text.push = broken  # type: ignore[method-assign]
+    req.output_stream.push = broken  # type: ignore[method-assign]
     while engine.has_unfinished():
         engine.step()
     assert req.finish_reason == "error"

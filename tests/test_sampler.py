@@ -192,11 +192,12 @@ def test_logprobs_are_the_raw_log_softmax() -> None:
     reference = torch.log_softmax(logits, dim=-1)
     first, second, third = out.logprobs
     assert first is not None and second is not None and third is None
+    assert (first.token_id, second.token_id) == (out.token_ids[0], out.token_ids[1])
     assert first.logprob == pytest.approx(float(reference[0, out.token_ids[0]]), abs=1e-6)
     top = torch.topk(reference[0], 4)
     assert [t for t, _ in first.top] == top.indices.tolist()
     assert [v for _, v in first.top] == pytest.approx(top.values.tolist(), abs=1e-6)
-    assert second.top == []
+    assert second.top == ()
     assert second.logprob == pytest.approx(float(reference[1].max()), abs=1e-6)
 
 

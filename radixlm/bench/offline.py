@@ -82,7 +82,8 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     from radixlm.bench.workloads import WorkloadProgress, ideal_prefill_tokens
     from radixlm.config import CacheConfig, CacheKind, ModelConfig, SchedulerConfig
     from radixlm.engine.engine import Engine
-    from radixlm.request import Request, SamplingParams
+    from radixlm.engine.request import Request
+    from radixlm.request import SamplingParams
 
     engine = Engine(
         ModelConfig(path=args.model, dtype=args.dtype, num_threads=args.threads),

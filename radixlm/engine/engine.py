@@ -36,13 +36,13 @@ import torch
 from radixlm.agents.grammar import GrammarError
 from radixlm.cache.prefix_cache import create_prefix_cache
 from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
-from radixlm.detokenizer import OutputStream
+from radixlm.engine.request import Request, RequestState
 from radixlm.engine.runner import ModelRunner
-from radixlm.engine.sampler import SampledToken, Sampler, SamplingFailure, SamplingState
+from radixlm.engine.sampler import SampledToken, Sampler, SamplingFailure
 from radixlm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.loader import LoadProgress
-from radixlm.request import Request, RequestState, SamplingParams, StreamDelta, TokenLogprob
+from radixlm.request import FinishReason, SamplingParams, StreamDelta
 
 log = logging.getLogger(__name__)
 
@@ -112,12 +112,10 @@ class Engine:
             raise ValueError(f"request id {rid!r} is already in use")
         prompt = [int(t) for t in prompt_ids]
         self._validate(prompt, params)
-        samples = [Request(rid, prompt, params, namespace, index=i) for i in range(params.n)]
-        for req in samples:
-            req.sampling = SamplingState(
-                req.params, req.prompt_ids, req.output_ids, req.index, self._stop_ids(params)
-            )
-            req.text = OutputStream(self.tokenizer, req.params)
+        samples = [
+            Request(rid, prompt, params, self.tokenizer, namespace, index=i)
+            for i in range(params.n)
+        ]
         self.scheduler.add(samples)
         self._requests[rid] = samples
         return rid
@@ -130,11 +128,13 @@ class Engine:
         """Stop these requests with finish_reason "error" (after a ForwardError)."""
         return [d for rid in dict.fromkeys(request_ids) for d in self._stop(rid, "error", error)]
 
-    def fail_all(self, error: str, reason: str = "error") -> list[StreamDelta]:
+    def fail_all(self, error: str, reason: FinishReason = "error") -> list[StreamDelta]:
         """Stop every unfinished request (after an internal error, or at shutdown)."""
         return [d for rid in list(self._requests) for d in self._stop(rid, reason, error)]
 
-    def _stop(self, request_id: str, reason: str, error: str | None = None) -> list[StreamDelta]:
+    def _stop(
+        self, request_id: str, reason: FinishReason, error: str | None = None
+    ) -> list[StreamDelta]:
         samples = self._requests.get(request_id)
         if samples is None:
             return []
@@ -205,7 +205,7 @@ class Engine:
         except GrammarError as exc:
             return self._fail(req, "following its grammar", exc)
         try:
-            text, reason = req.text.push(token)  # the only place that decides why an output ends
+            text, reason = req.output_stream.push(token)  # the one decider of why it ends
         except Exception as exc:  # the request's own detokenizer or stop checks
             return self._fail(req, "detokenizing", exc)
         if req.first_token_time is None:
@@ -213,8 +213,7 @@ class Engine:
         req.output_ids.append(token)
         req.all_ids.append(token)
         if sampled.logprobs is not None:
-            lp = sampled.logprobs
-            req.logprobs.append(TokenLogprob(token, lp.logprob, tuple(lp.top)))
+            req.logprobs.append(sampled.logprobs)
         if reason is not None:
             self.scheduler.remove(req)  # its KV goes to the tree, its lock is released
             return [self._finish(req, reason, text=text, new_tokens=[token])]
@@ -229,7 +228,7 @@ class Engine:
     def _finish(
         self,
         req: Request,
-        reason: str,
+        reason: FinishReason,
         text: str = "",
         new_tokens: list[int] | None = None,
     ) -> StreamDelta:
@@ -245,7 +244,9 @@ class Engine:
                 self.stats.finished_requests += 1
         return self._delta(req, text, new_tokens or [], reason)
 
-    def _delta(self, req: Request, text: str, tokens: list[int], reason: str | None) -> StreamDelta:
+    def _delta(
+        self, req: Request, text: str, tokens: list[int], reason: FinishReason | None
+    ) -> StreamDelta:
         n = len(tokens)
         return StreamDelta(
             request_id=req.rid,
@@ -256,7 +257,7 @@ class Engine:
             finish_reason=reason,
             prompt_tokens=req.prompt_len,
             completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens or 0,
+            cached_tokens=req.cache_hit_len or 0,
             error=req.error,
         )
 
@@ -266,17 +267,12 @@ class Engine:
         for req in plan.admitted:
             if req.index == 0:
                 self.stats.prompt_tokens += req.prompt_len
-                self.stats.cached_prompt_tokens += req.cached_tokens or 0
+                self.stats.cached_prompt_tokens += req.cache_hit_len or 0
         for item in plan.scheduled:
             if item.is_decode:
                 self.stats.decode_tokens += 1
             else:
                 self.stats.prefill_tokens += item.extend_len
-
-    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
-        """The ids min_tokens holds back: stop ids, and end-of-sequence unless it is ignored."""
-        eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
-        return eos | frozenset(params.stop_token_ids)
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:

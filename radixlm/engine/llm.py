@@ -17,13 +17,8 @@ from typing import Any, cast
 
 from radixlm.config import CacheConfig, CacheKind, DType, ModelConfig, Policy, SchedulerConfig
 from radixlm.engine.engine import Engine
-from radixlm.request import (
-    CompletionOutput,
-    Request,
-    RequestMetrics,
-    RequestOutput,
-    SamplingParams,
-)
+from radixlm.engine.request import request_output
+from radixlm.request import RequestOutput, SamplingParams
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
@@ -85,7 +80,7 @@ class LLM:
         except BaseException:  # a failed forward pass belongs to every request in it
             self.engine.fail_all("internal error in the engine step")
             raise
-        return [_output(rid, samples[rid]) for rid in ids]
+        return [request_output(rid, samples[rid]) for rid in ids]
 
     def to_token_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -103,32 +98,3 @@ def _is_single_prompt(prompts: object) -> bool:
         return True
     items = list(prompts)  # type: ignore[call-overload]
     return bool(items) and all(isinstance(x, (int, dict)) for x in items)
-
-
-def _output(rid: str, samples: list[Request]) -> RequestOutput:
-    first = samples[0]
-    metrics = None
-    if first.finished_time is not None:
-        metrics = RequestMetrics(
-            arrival_time=first.arrival_time,
-            queue_s=(first.first_scheduled_time or first.finished_time) - first.arrival_time,
-            ttft_s=(first.first_token_time or first.finished_time) - first.arrival_time,
-            total_s=max(r.finished_time or 0.0 for r in samples) - first.arrival_time,
-        )
-    return RequestOutput(
-        request_id=rid,
-        prompt_token_ids=first.prompt_ids,
-        outputs=[
-            CompletionOutput(
-                index=r.index,
-                text=r.text.text,
-                token_ids=list(r.output_ids),
-                finish_reason=r.finish_reason,
-                logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
-            )
-            for r in samples
-        ],
-        cached_tokens=first.cached_tokens or 0,
-        metrics=metrics,
-        error=next((r.error for r in samples if r.error), None),
-    )

@@ -41,7 +41,7 @@ from radixlm.engine.sampling_ops import (
     keep_top_p,
     weights,
 )
-from radixlm.request import SamplingParams
+from radixlm.request import SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -87,23 +87,16 @@ class SamplingState:
         return self._prompt_tensor
 
 
-class TokenLogprobs(NamedTuple):
-    """Log-probabilities of one sampled position under the model's raw distribution."""
-
-    logprob: float  # of the chosen token
-    top: list[tuple[int, float]]  # the `logprobs` most likely (token id, logprob), best first
-
-
 class SampleOutput(NamedTuple):
     token_ids: list[int]  # one per row, in the order of the states
-    logprobs: list[TokenLogprobs | None]  # per row; None where the request asked for none
+    logprobs: list[TokenLogprob | None]  # per row; None where the request asked for none
 
 
 class SampledToken(NamedTuple):
     """One row's outcome of `Sampler.sample_each`: its token."""
 
     token_id: int
-    logprobs: TokenLogprobs | None  # None where the request asked for none
+    logprobs: TokenLogprob | None  # None where the request asked for none
 
 
 class SamplingFailure(NamedTuple):
@@ -232,9 +225,9 @@ def _check_shape(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
 
 def _logprobs(
     logits: torch.Tensor, states: Sequence[SamplingState], chosen: Sequence[int]
-) -> list[TokenLogprobs | None]:
+) -> list[TokenLogprob | None]:
     rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-    result: list[TokenLogprobs | None] = [None] * len(states)
+    result: list[TokenLogprob | None] = [None] * len(states)
     if not rows:
         return result
     logprobs = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)], dim=-1)
@@ -245,6 +238,6 @@ def _logprobs(
     top_values, top_ids = top.values.tolist(), top.indices.tolist()
     for j, i in enumerate(rows):
         n = states[i].params.logprobs or 0
-        alternatives = list(zip(top_ids[j][:n], top_values[j][:n]))
-        result[i] = TokenLogprobs(chosen_logprobs[j], alternatives)
+        alternatives = tuple(zip(top_ids[j][:n], top_values[j][:n]))
+        result[i] = TokenLogprob(chosen[i], chosen_logprobs[j], alternatives)
     return result

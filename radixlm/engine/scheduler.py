@@ -1,7 +1,7 @@
 """The scheduler: which requests compute how many tokens in the next forward, and their KV.
 
 It owns the waiting and running queues and is the one writer of a request's KV state (`node`,
-`slots`, `cached_len`, `num_computed`) and the one caller of the prefix cache for requests
+`slots`, `cached_len`, `computed_len`) and the one caller of the prefix cache for requests
 (match, lock, alloc, commit, release). One step, as the engine drives it:
 
     schedule()         decode: every running request with one token left gets one slot (oldest
@@ -16,7 +16,7 @@ It owns the waiting and running queues and is the one writer of a request's KV s
     cancel(plan)       the forward pass failed: the step's slots go back, nothing advances.
 
 A ScheduledRequest records where its step starts, so nothing downstream depends on when
-`num_computed` moves.
+`computed_len` moves.
 
 Memory never deadlocks: when a running request cannot get a slot, the newest running request is
 retracted — its computed KV is committed to the tree, so it resumes with a cache hit — and
@@ -42,7 +42,7 @@ from radixlm.cache.kv_pool import OutOfSlotsError
 from radixlm.cache.prefix_cache import PrefixCache
 from radixlm.cache.radix_tree import RadixTree, TreeNode
 from radixlm.config import SchedulerConfig
-from radixlm.request import Request, RequestState
+from radixlm.engine.request import Request, RequestState
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class ScheduledRequest:
     """One request's share of a step: it computes all_ids[start : start + extend_len]."""
 
     req: Request
-    start: int  # req.num_computed when scheduled
+    start: int  # req.computed_len when scheduled
     extend_len: int
     new_slots: np.ndarray  # one in-flight slot per computed token
 
@@ -160,7 +160,7 @@ class Scheduler:
                 if victim is req:
                     return False
                 continue
-            out.scheduled.append(ScheduledRequest(req, req.num_computed, n, slots))
+            out.scheduled.append(ScheduledRequest(req, req.computed_len, n, slots))
             scheduled.add(id(req))
             return True
 
@@ -187,11 +187,11 @@ class Scheduler:
             except OutOfSlotsError:
                 self.cache.unlock(match.node)
                 break  # memory is full: admit nothing more this step
-            if req.cached_tokens is None:
+            if req.cache_hit_len is None:
                 out.admitted.append(req)
             self._start(req, match.node, match.slots, match.length)
             admitted.append(req)
-            out.scheduled.append(ScheduledRequest(req, req.num_computed, n, slots))
+            out.scheduled.append(ScheduledRequest(req, req.computed_len, n, slots))
             budget -= n
             if in_progress is not None:
                 in_progress.insert(req.all_ids, _placeholder_slots(req.seq_len), req.namespace)
@@ -239,7 +239,7 @@ class Scheduler:
         for row, item in enumerate(scheduled):
             req = item.req
             req.slots = np.concatenate([req.slots, item.new_slots])
-            req.num_computed = item.start + item.extend_len
+            req.computed_len = item.start + item.extend_len
             if not item.is_decode:
                 self._commit(req)
             if req.remaining_len > 0:
@@ -261,10 +261,10 @@ class Scheduler:
         req.node = node
         req.slots = slots
         req.cached_len = cached_len
-        req.num_computed = cached_len
+        req.computed_len = cached_len
         req.wait_steps = 0
-        if req.cached_tokens is None:
-            req.cached_tokens = min(cached_len, req.prompt_len)
+        if req.cache_hit_len is None:
+            req.cache_hit_len = min(cached_len, req.prompt_len)
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.perf_counter()
         self.running.append(req)
@@ -287,7 +287,7 @@ class Scheduler:
     def _commit(self, req: Request) -> None:
         """Hand the request's computed whole pages to the tree; it goes on from the tree's."""
         assert req.node is not None  # every running request holds a node
-        res = self.cache.commit(req.all_ids[: req.num_computed], req.slots, req.namespace, req.node)
+        res = self.cache.commit(req.all_ids[: req.computed_len], req.slots, req.namespace, req.node)
         req.node, req.slots, req.cached_len = res.node, res.slots, res.cached_len
 
     def _retract(self, req: Request, out: SchedulerOutput) -> None:
@@ -313,7 +313,7 @@ class Scheduler:
         req.node = None
         req.slots = np.empty(0, dtype=np.int64)
         req.cached_len = 0
-        req.num_computed = 0
+        req.computed_len = 0
 
     def _newest_unscheduled(self, scheduled: set[int]) -> Request | None:
         for req in reversed(self.running):
