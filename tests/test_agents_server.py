@@ -134,6 +134,7 @@ def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
 def test_json_object_and_n_samples(client: openai.OpenAI) -> None:
     response = _chat(client, response_format={"type": "json_object"}, n=2, temperature=1.0,
                      seed=3, max_tokens=400)  # fmt: skip
+    assert [c.index for c in response.choices] == [0, 1]
     for choice in response.choices:
         if choice.finish_reason == "stop":
             assert isinstance(json.loads(choice.message.content or ""), dict)
