@@ -16,6 +16,8 @@ from engine_helpers import assert_idle, outputs, run, save_engine_model
 from radixlm.cache.tiered_cache import TieredRadixCache
 from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
 from radixlm.engine.engine import Engine
+from radixlm.server.metrics import ServerMetrics
+from radixlm.server.snapshot import take_snapshot
 
 NUM_SLOTS = 400  # one conversation (~330 tokens at its third turn) and little else
 
@@ -77,6 +79,14 @@ def test_pages_go_to_disk_and_come_back_with_identical_outputs(
     assert cache.l2_written_pages > 0 and cache.l2_hit_tokens >= 128  # turn 3 read turn 2's
     assert cache.l2_bad_pages == 0
     assert_idle(tiered)  # check_integrity: slots and the page account
+    snapshot = take_snapshot(tiered)  # what /v1/cache and /metrics show
+    l2 = snapshot.to_dict()["l2"]
+    assert l2["hit_tokens"] == cache.l2_hit_tokens and l2["written_bytes"] > 0
+    assert l2["num_free_pages"] + l2["num_tree_pages"] == l2["num_pages"]
+    text = ServerMetrics().render(snapshot).decode()
+    assert f"radixlm_l2_hit_tokens_total {float(cache.l2_hit_tokens)}" in text
+    assert f"radixlm_l2_load_seconds_count {float(cache.l2_loads)}" in text
+    assert "radixlm_l2_rejected_tokens_total" in text and 'radixlm_l2_pages{state="free"}' in text
 
 
 def test_a_full_l2_keeps_outputs_identical(

@@ -28,6 +28,7 @@ import os
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,7 +65,7 @@ class TieredRadixCache(RadixCache):
         self.l2 = l2
         self.read_timeout_s = read_timeout_s  # per page read; a slower one ends the load
         self._pending: dict[int, Future[None]] = {}  # page -> its last write
-        self._fingerprint = _fingerprint(pool)
+        self._fingerprint = l2.fingerprint  # in every page key: another layout never matches
         self.l2_hit_tokens = self.l2_written_pages = self.l2_read_pages = 0
         self.l2_rejected_tokens = self.l2_bad_pages = self.l2_read_timeouts = 0
         self.l2_loads = 0
@@ -194,7 +195,7 @@ class TieredRadixCache(RadixCache):
         self.l2_read_pages += num_pages
         self.l2_hit_tokens += hit_tokens
 
-    def l2_stats(self) -> dict[str, object]:
+    def l2_stats(self) -> dict[str, Any]:
         """The L2 tier's counters (read in the engine thread; /v1/cache and /metrics)."""
         page_bytes = self.l2.payload_bytes
         return {

@@ -4,16 +4,24 @@ Two sources:
 - what the server sees: requests by route and status (an ASGI middleware), prompt and generated
   tokens, time to first token and inter-token latency (fed by `Generation`);
 - what the engine knows: prefix-cache queried / hit / evicted tokens, the hit rate, running and
-  waiting requests and the KV slot split. A scrape takes a fresh `EngineSnapshot` (in the engine
-  thread) and `EngineCollector` exposes it, so engine-side values are never stale or racy.
+  waiting requests and the KV slot split, and with an L2 tier its hit tokens, bytes written
+  and read, load latency, rejected admissions and page split. A scrape takes a fresh
+  `EngineSnapshot` (in the engine thread) and `EngineCollector` exposes it, so engine-side
+  values are never stale or racy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -115,6 +123,8 @@ class EngineCollector(Collector):
         slots.add_metric(["tree"], s.num_tree_tokens)
         slots.add_metric(["in_flight"], s.num_in_flight)
         yield slots
+        if s.l2 is not None:
+            yield from _l2_metrics(s.l2)
 
 
 class RequestCounterMiddleware:
@@ -139,6 +149,33 @@ class RequestCounterMiddleware:
             await send(message)
 
         await self.app(scope, receive, counting_send)
+
+
+def _l2_metrics(l2: dict[str, Any]) -> Iterator[Metric]:
+    """The L2 tier's families, from TieredRadixCache.l2_stats()."""
+    for key, name, doc in (
+        ("hit_tokens", "radixlm_l2_hit_tokens", "Prompt tokens loaded from L2 instead of computed"),
+        ("written_bytes", "radixlm_l2_written_bytes", "KV bytes written to L2 pages"),
+        ("read_bytes", "radixlm_l2_read_bytes", "KV bytes read back from L2 pages"),
+        ("rejected_tokens", "radixlm_l2_rejected_tokens", "Evicted tokens L2 did not admit"),
+        ("bad_pages", "radixlm_l2_bad_pages", "Pages that failed their check (recomputed)"),
+        ("read_timeouts", "radixlm_l2_read_timeouts", "Loads cut short by a slow read"),
+        ("evicted_pages", "radixlm_l2_evicted_pages", "Pages L2 evicted to make room"),
+    ):
+        yield _counter(name, doc, l2[key])
+    pages = GaugeMetricFamily("radixlm_l2_pages", "L2 pages by state", labels=["state"])
+    pages.add_metric(["free"], l2["num_free_pages"])
+    pages.add_metric(["held"], l2["num_tree_pages"])
+    yield pages
+    buckets, total = [], 0
+    for bound, count in l2["load_seconds_buckets"].items():
+        total += count
+        buckets.append((bound, total))
+    hist = HistogramMetricFamily(
+        "radixlm_l2_load_seconds", "Time to load a prefix's pages from L2 (read + copy)"
+    )
+    hist.add_metric([], buckets, sum_value=l2["load_seconds_sum"])
+    yield hist
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

@@ -3,7 +3,7 @@
 The prefix cache and the scheduler are not thread-safe, so the server never reads them from the
 event loop: `/v1/cache` and `/metrics` run `take_snapshot` through `AsyncEngine.call` and work
 from the copy. The slot accounting (`free + tree + in_flight == capacity`) is reported as read,
-never recomputed from three separately taken counts.
+never recomputed from three separately taken counts; with an L2 tier, `l2` holds its counters.
 
 `/metrics` goes through a `SnapshotCache`: scrapes that arrive together share one engine round
 trip, and a snapshot younger than the TTL is served again, so a flood of scrapes costs the engine
@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from radixlm.cache.tiered_cache import TieredRadixCache
 from radixlm.engine.engine import Engine
 
 
@@ -36,6 +37,7 @@ class EngineSnapshot:
     num_unfinished: int
     engine_stats: dict[str, int]
     cache_stats: dict[str, Any]
+    l2: dict[str, Any] | None = None  # the L2 tier's counters (TieredRadixCache.l2_stats)
 
     @property
     def num_used(self) -> int:
@@ -92,6 +94,7 @@ def take_snapshot(engine: Engine) -> EngineSnapshot:
         num_unfinished=engine.num_unfinished,
         engine_stats=dataclasses.asdict(engine.stats),
         cache_stats=_jsonable(cache.stats()),
+        l2=cache.l2_stats() if isinstance(cache, TieredRadixCache) else None,
     )
 
 
