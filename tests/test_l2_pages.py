@@ -83,3 +83,8 @@ def test_a_page_never_written_is_a_miss(pages: L2PageFile) -> None:
 def test_an_unusable_directory_is_an_l2_error(tmp_path: Path) -> None:
     with pytest.raises(L2Error, match="L2 page file"):
         L2PageFile(str(tmp_path / "missing" / "l2.pages"), 2, 1024, FP)
+
+
+def test_a_page_file_in_use_by_another_server_is_an_l2_error(pages: L2PageFile) -> None:
+    with pytest.raises(L2Error, match="in use by another process"):
+        L2PageFile(pages.path, 2, 16, b"other")

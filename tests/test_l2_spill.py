@@ -3,20 +3,30 @@ and a full L2 forgets chain ends first (never the chain being written)."""
 
 from __future__ import annotations
 
+import logging
+import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from radixlm.cache.kv_pool import KVPool
 from radixlm.cache.l2_pages import L2PageFile
-from radixlm.cache.tiered_cache import PAGE_TOKENS, TieredRadixCache
+from radixlm.cache.tiered_cache import PAGE_TOKENS, TieredRadixCache, _fingerprint
 
 
-def make_cache(tmp_path: Path, num_pages: int) -> TieredRadixCache:
-    pool = KVPool(1024, num_layers=2, num_kv_heads=1, head_dim=4)
+def make_cache(
+    tmp_path: Path,
+    num_pages: int,
+    dtype: torch.dtype = torch.float32,
+    fingerprint: bytes | None = None,
+) -> TieredRadixCache:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    pool = KVPool(1024, num_layers=2, num_kv_heads=1, head_dim=4, dtype=dtype)
     payload = PAGE_TOKENS * pool.bytes_per_slot
-    return TieredRadixCache(pool, L2PageFile(str(tmp_path / "l2"), num_pages, payload, b"t"))
+    fingerprint = fingerprint or _fingerprint(pool)
+    return TieredRadixCache(pool, L2PageFile(str(tmp_path / "l2"), num_pages, payload, fingerprint))
 
 
 def kv_of(tokens: np.ndarray, layer: int) -> torch.Tensor:
@@ -28,8 +38,8 @@ def put(cache: TieredRadixCache, tokens: np.ndarray) -> None:
     """A finished request's KV enters the tree, then a match hits it (so it is admitted)."""
     slots = cache.alloc(len(tokens))
     for layer in range(2):
-        cache.kv.k_cache(layer)[torch.from_numpy(slots)] = kv_of(tokens, layer)
-        cache.kv.v_cache(layer)[torch.from_numpy(slots)] = -kv_of(tokens, layer)
+        cache.kv.k_cache(layer)[torch.from_numpy(slots)] = kv_of(tokens, layer).to(cache.kv.dtype)
+        cache.kv.v_cache(layer)[torch.from_numpy(slots)] = -kv_of(tokens, layer).to(cache.kv.dtype)
     cache.tree.insert(tokens, slots)
     cache.num_in_flight -= len(tokens)
     cache.tree.match(tokens)
@@ -72,3 +82,45 @@ def test_a_chain_never_evicts_its_own_head(tmp_path: Path) -> None:
     cache.flush()  # three pages into two: the third is skipped, not written over the first
     assert cache.l2_written_pages == 2
     assert loaded(cache, A) == 2 * PAGE_TOKENS
+
+
+def test_a_slow_read_is_recomputed_and_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = make_cache(tmp_path, num_pages=4)
+    put(cache, A)
+    cache.flush()
+    cache.read_timeout_s = 0.05
+    fast, disk_recovered = cache.l2._pread, threading.Event()
+
+    def slow(page: int, key: bytes) -> bytes | None:
+        disk_recovered.wait(5.0)
+        return fast(page, key)
+
+    cache.l2._pread = slow  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING):
+        assert loaded(cache, A) == 0  # nothing waited for, nothing wrong: all recomputed
+    assert cache.l2_read_timeouts == 1 and cache.l2_bad_pages == 0
+    assert "L2 read slower than" in caplog.text
+    cache.l2._pread = fast  # type: ignore[method-assign]
+    disk_recovered.set()  # the reads still queued finish
+    assert loaded(cache, A) == 3 * PAGE_TOKENS  # the pages were not doubtful: kept
+
+
+@pytest.mark.parametrize(
+    ("dtype", "fingerprint"), [(torch.bfloat16, None), (torch.float32, b"another model")]
+)
+def test_a_page_file_from_another_model_or_dtype_is_a_miss(
+    tmp_path: Path, dtype: torch.dtype, fingerprint: bytes | None
+) -> None:
+    ours = make_cache(tmp_path / "ours", num_pages=4)
+    theirs = make_cache(tmp_path / "theirs", num_pages=4, dtype=dtype, fingerprint=fingerprint)
+    for cache in (ours, theirs):
+        put(cache, A)
+        cache.flush()
+        for pending in cache._pending.values():
+            pending.result()
+    with open(tmp_path / "ours" / "l2", "r+b") as f:  # their pages where ours were
+        f.write((tmp_path / "theirs" / "l2").read_bytes())
+    assert loaded(ours, A) == 0 and ours.l2_bad_pages == 1
+    assert ours.tree.num_l2_pages == 0  # the doubtful chain is forgotten

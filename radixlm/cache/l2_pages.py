@@ -12,7 +12,8 @@ Nothing read back is trusted: the key is a digest of the file's fingerprint (mod
 layout), the namespace (cache salt) and every token id up to the end of the page, and the
 checksum covers the key and the payload. A page whose magic, key or checksum does not match is
 a miss (None), so a torn write, a corrupted sector or a file from another model is recomputed,
-never served. The file is reinitialised when opened (no pages survive a restart).
+never served. The file is reinitialised when opened (no pages survive a restart) and locked
+(flock) while open, so two servers never share one.
 
 Invariant: every page index is either on the free list or allocated, never both;
 `num_free + num_allocated == num_pages`.
@@ -20,6 +21,8 @@ Invariant: every page index is either on the free list or allocated, never both;
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import os
 import threading
@@ -32,6 +35,7 @@ from radixlm.cache.tree_node import Namespace
 MAGIC = b"RLM2"
 HEADER_BYTES = 64
 KEY_BYTES = 16
+_LOCKED = (errno.EAGAIN, errno.EACCES)
 
 
 class L2Error(OSError):
@@ -67,10 +71,19 @@ class L2PageFile:
         self.page_bytes = HEADER_BYTES + payload_bytes
         self.fingerprint = fingerprint
         try:
-            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.ftruncate(self._fd, num_pages * self.page_bytes)  # sparse: no blocks until written
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as e:
             raise L2Error(f"L2 page file {path}: {e.strerror or e}") from e
+        try:
+            # One process per file: another server's pages (maybe another model of the same
+            # shape, whose keys would match) must never be read as ours.
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(self._fd, 0)
+            os.ftruncate(self._fd, num_pages * self.page_bytes)  # sparse: no blocks until written
+        except OSError as e:
+            os.close(self._fd)
+            reason = "in use by another process" if e.errno in _LOCKED else e.strerror or e
+            raise L2Error(f"L2 page file {path}: {reason}") from e
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
         self._lock = threading.Lock()  # guards the free list (I/O threads never touch it)
         self._io = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="l2-io")
