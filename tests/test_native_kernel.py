@@ -12,6 +12,7 @@ transformers through the whole decoder.
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -514,3 +515,19 @@ def test_the_install_step_fails_loudly_on_a_broken_build(monkeypatch, tmp_path, 
     monkeypatch.setattr(native_build, "compiler", lambda: None)
     assert native_build.main([]) == 0
     assert not list(tmp_path.glob("*.so"))  # nothing was built
+
+
+def test_loading_the_kernels_leaves_denormals_alone() -> None:
+    """The libraries are linked without -ffast-math's startup code, so loading them does not
+    switch this process to flush-to-zero: a float32 denormal survives arithmetic, in this
+    thread and in one started after the load."""
+    for isa in ISAS:
+        require_native_kernels(isa)
+    tiny = torch.tensor([1e-40], dtype=torch.float32)  # below float32's smallest normal
+    assert (tiny * 2).item() > 0
+    assert float("1e-310") * 1.5 > 0  # float64, through the interpreter's own SSE code
+    seen: list[float] = []
+    worker = threading.Thread(target=lambda: seen.append((tiny * 2).item()))
+    worker.start()
+    worker.join()
+    assert seen[0] > 0

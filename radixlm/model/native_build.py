@@ -55,6 +55,11 @@ SOURCES = [
 # included by the sources
 HEADERS = [CSRC / h for h in ("simd.h", "flash_tile.h", "decode_task.h", "bf16.h")]
 COMMON_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC")
+# The link drops -ffast-math: with it, gcc links crtfastmath.o, whose constructor sets
+# flush-to-zero and denormals-are-zero in the MXCSR of the thread that loads the library (and of
+# every thread started after), changing float arithmetic outside the kernels (PyTorch, the
+# sampler) the moment the library loads.
+LINK_FLAGS = ("-fopenmp", "-shared")
 X86 = platform.machine() in ("x86_64", "AMD64")
 
 
@@ -160,7 +165,7 @@ def library_path(variant: Variant, cc: str) -> tuple[Path, Path]:
     key = hashlib.sha256()
     for source in SOURCES + HEADERS:
         key.update(source.read_bytes())
-    for part in (cc, " ".join(flags(variant, cc)), platform.machine()):
+    for part in (cc, " ".join(flags(variant, cc)), " ".join(LINK_FLAGS), platform.machine()):
         key.update(part.encode())
     name = f"radixlm_kernels-{variant.name}-{key.hexdigest()[:16]}.so"
     home = Path(os.environ.get("RADIXLM_CACHE_DIR") or Path.home() / ".cache" / "radixlm")
@@ -213,7 +218,7 @@ def _compile(variant: Variant, cc: str, path: Path, jobs: int | None) -> None:
             for cmd, done in zip(commands, pool.map(_run, commands)):
                 _check(variant, cmd, done)
         built = Path(tmp) / path.name
-        link = [cc, *flags_, "-shared", *map(str, objects), "-o", str(built), "-lm"]
+        link = [cc, *LINK_FLAGS, *map(str, objects), "-o", str(built), "-lm"]
         _check(variant, link, _run(link))
         built.replace(path)
     log.info("built the %s kernels in %.1f s", variant.name, time.monotonic() - start)
