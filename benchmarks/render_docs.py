@@ -139,6 +139,8 @@ def benchmarks_page() -> str:
         tiers_section(),
         "## Replicas behind a cache-aware gateway\n",
         replicas_section(),
+        "## What cache reports cost\n",
+        observatory_section(),
         "## The tree against SGLang's\n",
         sglang_section(),
     ]
@@ -362,6 +364,35 @@ def replicas_section() -> str:
             f"| {s['num_errors']} |"
         )
     lines.append(f"\n{_host_line(result.get('host'))}.\n")
+    return "\n".join(lines)
+
+
+def observatory_section() -> str:
+    path = BENCH / "observatory_overhead.json"
+    if not path.exists():
+        return "No run recorded yet (`benchmarks/observatory_overhead.py`).\n"
+    result = json.loads(path.read_text())
+    lines = [
+        f"`{result['command']}` ([observatory.md](observatory.md)): `radixlm serve` "
+        f"({result['model']}) with every request asking for a cache report against none, chat "
+        f"prompts streamed, {result['concurrency']} in flight, {result['rounds']} rounds of "
+        "interleaved runs, the cache flushed before each. On / off is paired per round; its "
+        "median, with a ~95 % interval of that median.\n",
+        "| workload | off, tok/s | on, tok/s | on / off | interval | cost |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, w in result["workloads"].items():
+        lines.append(
+            f"| {name} | {w['off_tok_s_median']:.1f} | {w['on_tok_s_median']:.1f} "
+            f"| {w['ratio_median']:.3f} | {w['ratio_low']:.3f}-{w['ratio_high']:.3f} "
+            f"| {w['cost']:+.1%} |"
+        )
+    c = result["components"]
+    lines.append(
+        f"\nEvery request also records its prompt in the salt check's index: "
+        f"{c['record_us']:.0f} µs for {c['prompt_len']:,} tokens; a report's lookup "
+        f"{c['others_us']:.0f} µs. {_host_line(result.get('host'))}. {result.get('note', '')}\n"
+    )
     return "\n".join(lines)
 
 
