@@ -8,7 +8,7 @@ at the same boundaries, deepest first (`others`), and peeks only the namespaces 
 the peek gives the exact length, so the boundaries only need to find the right namespace, and a
 prompt that shares a prefix of n tokens with another is found at the boundary at or below n.
 
-Rules: the boundaries double, so a record costs one pass over the prompt's bytes and O(log n)
+Rules: the boundaries double, so a record costs one pass over the prompt's ids and O(log n)
 dict writes, whatever the number of namespaces; an entry is a hint (its KV may have been
 evicted since), never a proof; a prefix shorter than the first boundary under another salt is
 not found (it holds at most 15 tokens). Touched only from the server's event loop.
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from radixlm.cache.tree_node import TOKEN_BYTES, Namespace
+from radixlm.cache.tree_node import Namespace
 
 FIRST_BOUNDARY = 16  # tokens; the boundaries are 16, 32, 64, ... and the whole lookup key
 NAMESPACES_PER_KEY = 4  # the most recent namespaces kept for one prefix
@@ -63,17 +63,19 @@ class PromptIndex:
 
 def _prefix_keys(prompt: Sequence[int] | np.ndarray) -> list[int]:
     """The chained hashes of the lookup key's prefixes at the boundaries, shortest first."""
-    buf = np.asarray(prompt, dtype=np.int64)[:-1].tobytes()
-    ends, end = [], FIRST_BOUNDARY * TOKEN_BYTES
-    while end < len(buf):
+    ids = prompt.tolist() if isinstance(prompt, np.ndarray) else prompt
+    n = len(ids) - 1  # the lookup key: all but the last token
+    ends, end = [], FIRST_BOUNDARY
+    while end < n:
         ends.append(end)
         end *= 2
-    if buf:
-        ends.append(len(buf))
+    if n > 0:
+        ends.append(n)
     keys, state, start = [], 0, 0
     for end in ends:
-        # each step hashes only the bytes since the last boundary: one pass in all
-        state = hash((state, end, buf[start:end]))
+        # each step hashes only the ids since the last boundary (a tuple of ints hashes without
+        # converting them to bytes): one pass in all
+        state = hash((state, end, tuple(ids[start:end])))
         keys.append(state)
         start = end
     return keys
