@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -93,9 +94,9 @@ def test_a_slow_read_is_recomputed_and_logged(
     cache.read_timeout_s = 0.05
     fast, disk_recovered = cache.l2._pread, threading.Event()
 
-    def slow(page: int, key: bytes) -> bytes | None:
+    def slow(page: int, key: bytes, sink: Callable[[bytearray], None] | None) -> bytearray | None:
         disk_recovered.wait(5.0)
-        return fast(page, key)
+        return fast(page, key, sink)
 
     cache.l2._pread = slow  # type: ignore[method-assign]
     with caplog.at_level(logging.WARNING):

@@ -26,6 +26,7 @@ import fcntl
 import hashlib
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -103,28 +104,34 @@ class L2PageFile:
             self._free.append(page)
 
     def write(self, page: int, key: bytes, payload: bytes) -> Future[None]:
-        """Store `payload` under `key` in `page` (off the calling thread). A failed write (disk
-        full) raises from the future's result; the caller then frees the page."""
+        """Store `payload` under `key` in `page` (checksum and I/O off the calling thread). A
+        failed write (disk full) raises from the future's result; the caller then frees the
+        page. `payload` must not change until the future is done."""
         if len(payload) > self.payload_bytes or len(key) != KEY_BYTES:
             raise ValueError("payload too large for a page, or a malformed key")
-        header = _header(key, payload)
-        return self._io.submit(self._pwrite, page, header + payload)
+        return self._io.submit(self._pwrite, page, key, payload)
 
-    def read(self, page: int, key: bytes) -> Future[bytes | None]:
-        """The payload of `page` if it holds `key` intact, else None (a miss)."""
-        return self._io.submit(self._pread, page, key)
+    def read(
+        self, page: int, key: bytes, sink: Callable[[bytearray], None] | None = None
+    ) -> Future[bytearray | None]:
+        """The payload of `page` if it holds `key` intact, else None (a miss). `sink`, if
+        given, is called with a verified payload on the I/O thread (to copy it in place)."""
+        return self._io.submit(self._pread, page, key, sink)
 
     def close(self) -> None:
         self._io.shutdown(wait=True)
         os.close(self._fd)
 
-    def _pwrite(self, page: int, data: bytes) -> None:
+    def _pwrite(self, page: int, key: bytes, payload: bytes) -> None:
+        data = _header(key, payload) + payload
         offset = page * self.page_bytes
         written = os.pwrite(self._fd, data, offset)
         while written < len(data):  # a short write continues where it stopped
             written += os.pwrite(self._fd, data[written:], offset + written)
 
-    def _pread(self, page: int, key: bytes) -> bytes | None:
+    def _pread(
+        self, page: int, key: bytes, sink: Callable[[bytearray], None] | None
+    ) -> bytearray | None:
         try:
             header = os.pread(self._fd, HEADER_BYTES, page * self.page_bytes)
         except OSError:
@@ -134,19 +141,25 @@ class L2PageFile:
         length = int.from_bytes(header[4:8], "little")
         if length > self.payload_bytes:
             return None
+        payload = bytearray(length)  # read in place: torch.frombuffer takes it without a copy
         try:
-            payload = os.pread(self._fd, length, page * self.page_bytes + HEADER_BYTES)
+            n = os.preadv(self._fd, [payload], page * self.page_bytes + HEADER_BYTES)
         except OSError:
             return None
-        if len(payload) != length or _checksum(key, payload) != header[24:40]:
+        if n != length or _checksum(key, payload) != header[24:40]:
             return None
+        if sink is not None:
+            sink(payload)
         return payload
 
 
-def _checksum(key: bytes, payload: bytes) -> bytes:
-    return hashlib.blake2b(key + payload, digest_size=16).digest()
+def _checksum(key: bytes, payload: bytes | bytearray) -> bytes:
+    # SHA-256 runs on the CPU's SHA extensions where present: over twice blake2b's speed there
+    h = hashlib.sha256(key)
+    h.update(payload)
+    return h.digest()[:16]
 
 
-def _header(key: bytes, payload: bytes) -> bytes:
+def _header(key: bytes, payload: bytes | bytearray) -> bytes:
     head = MAGIC + len(payload).to_bytes(4, "little") + key + _checksum(key, payload)
     return head.ljust(HEADER_BYTES, b"\0")

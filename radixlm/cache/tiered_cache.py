@@ -31,10 +31,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import numpy as np
-import torch
 
 from radixlm.cache.kv_pool import KVPool, OutOfSlotsError
 from radixlm.cache.l2_pages import L2Error, L2PageFile, page_key
+from radixlm.cache.page_copy import LoadSink, gather_page
 from radixlm.cache.prefix_cache import RadixCache
 from radixlm.cache.radix_tree import MatchResult, Namespace, TreeNode
 from radixlm.cache.tiered_tree import PAGE_TOKENS, TieredTree, TierMatch
@@ -91,7 +91,7 @@ class TieredRadixCache(RadixCache):
         keys = _chain(self._fingerprint, namespace, tokens, first + len(pages))
         for i, page in enumerate(pages):
             p = first + i
-            payload = self._gather(slots[p * PAGE_TOKENS : (p + 1) * PAGE_TOKENS])
+            payload = gather_page(self.kv, slots[p * PAGE_TOKENS : (p + 1) * PAGE_TOKENS])
             self._pending[page] = self.l2.write(page, keys[p], payload)
         self.l2_written_pages += len(pages)
         if len(self._pending) > 4 * self.l2.num_pages // 3 + 64:
@@ -129,37 +129,41 @@ class TieredRadixCache(RadixCache):
             tree.pin(tm.chain[-1], False)
             return m
         started = time.perf_counter()
-        payloads, bad = self._read(ids, namespace, tm)
+        num_pages, bad = self._read(ids, namespace, tm, new)
         tree.pin(tm.chain[-1], False)
-        first = m.length // PAGE_TOKENS
-        end = max(m.length, (first + len(payloads)) * PAGE_TOKENS)
+        end = max(m.length, (m.length // PAGE_TOKENS + num_pages) * PAGE_TOKENS)
         used = end - m.length
         self._free_in_flight(new[used:])
+        result = m
         if used:
-            self._scatter(new[:used], payloads, first * PAGE_TOKENS, m.length)
             result = tree.promote(tm, end, new[:used])
             self.num_in_flight -= used  # tree-owned now
-        else:
-            result = m
         if bad:
             self._forget_after(result.node, ids, end)
-        self._observe_load(time.perf_counter() - started, len(payloads), used)
+        self._observe_load(time.perf_counter() - started, num_pages, used)
         return result
 
     def _read(
-        self, ids: np.ndarray, namespace: Namespace, tm: TierMatch
-    ) -> tuple[list[bytes], bool]:
-        """The chain's pages in order, up to the first that is missing (bad: True: it is
-        doubtful) or late (bad: False)."""
-        pages = np.concatenate([c.pages for c in tm.chain if c.pages is not None])
-        first = tm.l1.length // PAGE_TOKENS
+        self, ids: np.ndarray, namespace: Namespace, tm: TierMatch, slots: np.ndarray
+    ) -> tuple[int, bool]:
+        """Read the chain's pages into `slots` (tokens l1.length .. end), in parallel; how many
+        leading pages arrived, and whether the one after them was doubtful (a miss: forget it)
+        rather than late (within a deadline that grows with the pages; it stays)."""
+        pages = np.concatenate([c.pages for c in tm.chain if c.pages is not None]).tolist()
+        start = tm.l1.length
+        first = start // PAGE_TOKENS
         keys = _chain(self._fingerprint, namespace, ids, first + len(pages))
-        futures = [
-            self.l2.read(page, keys[first + i]) if self._written(page) else None
-            for i, page in enumerate(pages.tolist())
-        ]
-        payloads: list[bytes] = []
-        deadline = time.perf_counter() + self.read_timeout_s * len(futures)  # grows with size
+        sink = LoadSink(self.kv, PAGE_TOKENS)
+        futures = []
+        for i, page in enumerate(pages):
+            t0 = (first + i) * PAGE_TOKENS  # the page's first token; slots start at `start`
+            lo, hi = max(t0, start) - start, t0 + PAGE_TOKENS - start
+            copy = sink.page(slots[lo:hi], max(0, start - t0))
+            futures.append(
+                self.l2.read(page, keys[first + i], copy) if self._written(page) else None
+            )
+        deadline = time.perf_counter() + self.read_timeout_s * len(futures)
+        done, bad = 0, False
         for future in futures:
             try:
                 wait_s = max(0.0, deadline - time.perf_counter())
@@ -167,12 +171,17 @@ class TieredRadixCache(RadixCache):
             except FutureTimeout:
                 self.l2_read_timeouts += 1
                 log.warning("L2 read slower than %.3f s a page: recomputing", self.read_timeout_s)
-                return payloads, False
+                break
             if data is None:
                 self.l2_bad_pages += 1
-                return payloads, True
-            payloads.append(data)
-        return payloads, False
+                bad = True
+                break
+            done += 1
+        for future in futures[done:]:
+            if future is not None:
+                future.cancel()  # not started: no I/O for pages that will not be used
+        sink.cancel()  # late reads copy nothing into slots that are about to be freed
+        return done, bad
 
     def _written(self, page: int) -> bool:
         """Whether `page`'s last write is done and succeeded (a failed one is a miss)."""
@@ -218,29 +227,6 @@ class TieredRadixCache(RadixCache):
             "load_seconds_buckets": dict(zip([*map(str, LOAD_BUCKETS), "+Inf"],
                                              self.l2_load_buckets, strict=True)),
         }  # fmt: skip
-
-    # -- KV copies between the pool and page payloads ----------------------------------------
-
-    def _gather(self, slots: np.ndarray) -> bytes:
-        idx = torch.from_numpy(slots)
-        k = torch.stack([self.kv.k_cache(i)[idx] for i in range(self.kv.num_layers)])
-        v = torch.stack([self.kv.v_cache(i)[idx] for i in range(self.kv.num_layers)])
-        both = torch.stack([k, v]).contiguous()  # (2, L, 64, H, D)
-        return both.view(torch.uint8).numpy().tobytes()
-
-    def _scatter(self, slots: np.ndarray, payloads: list[bytes], first: int, skip_to: int) -> None:
-        """Write the pages' KV from token `skip_to` on (the pages start at token `first`)."""
-        kv = self.kv
-        shape = (2, kv.num_layers, PAGE_TOKENS, kv.num_kv_heads, kv.head_dim)
-        pages = [
-            torch.frombuffer(bytearray(p), dtype=torch.uint8).view(kv.dtype).view(shape)
-            for p in payloads
-        ]
-        both = torch.cat(pages, dim=2)[:, :, skip_to - first :]  # (2, L, n, H, D)
-        idx = torch.from_numpy(slots)
-        for i in range(kv.num_layers):
-            kv.k_cache(i)[idx] = both[0, i]
-            kv.v_cache(i)[idx] = both[1, i]
 
     def _path(self, node: TreeNode) -> tuple[np.ndarray, np.ndarray, Namespace]:
         keys: list[bytes] = []

@@ -1,0 +1,67 @@
+"""KV copies between the slot pool and L2 page payloads.
+
+A payload is one page's K and V for every layer, contiguous: (2, layers, 64 tokens, kv_heads,
+head_dim) in the pool's dtype. Pages are gathered on the engine thread (before the slots they
+come from are freed) and scattered on the page file's I/O threads as each read is verified, so
+copies overlap the reads. A `LoadSink` is cancelled when its load ends: after `cancel()`
+returns no late read writes into slots that may have been given to another request.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from radixlm.cache.kv_pool import KVPool
+
+
+def gather_page(pool: KVPool, slots: np.ndarray) -> bytes:
+    """The payload of one page whose tokens' KV is in `slots`."""
+    idx, dim = torch.from_numpy(slots), _slot_dim(pool)
+    k, v = pool.k.index_select(dim, idx), pool.v.index_select(dim, idx)
+    if pool.head_major:  # (L, H, n, D) -> (L, n, H, D)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    both = torch.stack([k, v]).contiguous()  # (2, L, n, H, D)
+    return both.view(torch.uint8).numpy().tobytes()
+
+
+class LoadSink:
+    """Scatters the verified pages of one load into its slots, until cancelled."""
+
+    def __init__(self, pool: KVPool, page_tokens: int) -> None:
+        self.pool = pool
+        self.shape = (2, pool.num_layers, page_tokens, pool.num_kv_heads, pool.head_dim)
+        self.dim = _slot_dim(pool)
+        self._lock = threading.Lock()  # held while a page is copied and by cancel
+        self._cancelled = False
+
+    def page(self, slots: np.ndarray, skip: int) -> Callable[[bytearray], None]:
+        """The sink of one page: its tokens from `skip` on go to `slots` (the first `skip`
+        tokens were in RAM already)."""
+        idx = torch.from_numpy(slots)
+
+        def copy(payload: bytearray) -> None:
+            kv = torch.frombuffer(payload, dtype=torch.uint8).view(self.pool.dtype)
+            k, v = kv.view(self.shape)[:, :, skip:]  # (L, n, H, D) each
+            if self.pool.head_major:
+                k, v = k.transpose(1, 2), v.transpose(1, 2)
+            with self._lock:
+                if self._cancelled:
+                    return
+                self.pool.k.index_copy_(self.dim, idx, k)  # every layer in one call
+                self.pool.v.index_copy_(self.dim, idx, v)
+
+        return copy
+
+    def cancel(self) -> None:
+        """No page is copied after this returns."""
+        with self._lock:
+            self._cancelled = True
+
+
+def _slot_dim(pool: KVPool) -> int:
+    """The slot dimension of the pool's K and V tensors (see KVPool's layouts)."""
+    return 2 if pool.head_major else 1
