@@ -134,7 +134,7 @@ def test_a_full_disk_is_logged_and_recomputed(
     cache = tiered.cache
     assert isinstance(cache, TieredRadixCache)
 
-    def full(page: int, data: bytes) -> None:
+    def full(page: int, key: bytes, payload: bytes) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     cache.l2._pwrite = full  # type: ignore[method-assign]
