@@ -14,6 +14,7 @@ import torch
 
 from radixlm.cache.kv_pool import KVPool
 from radixlm.cache.l2_pages import L2PageFile
+from radixlm.cache.prefix_cache import PendingMatch
 from radixlm.cache.tiered_cache import PAGE_TOKENS, TieredRadixCache, _fingerprint
 
 
@@ -125,3 +126,35 @@ def test_a_page_file_from_another_model_or_dtype_is_a_miss(
         f.write((tmp_path / "theirs" / "l2").read_bytes())
     assert loaded(ours, A) == 0 and ours.l2_bad_pages == 1
     assert ours.tree.num_l2_pages == 0  # the doubtful chain is forgotten
+
+
+def test_a_background_load_keeps_every_account_while_it_runs(tmp_path: Path) -> None:
+    cache = make_cache(tmp_path, num_pages=4)
+    put(cache, A)
+    cache.flush()
+    ticket = cache.match_or_load(A)
+    assert isinstance(ticket, PendingMatch)
+    cache.check_integrity()  # slots in flight, the chain pinned
+    assert cache.num_in_flight == 3 * PAGE_TOKENS
+    joined = cache.match_or_load(A)  # another request for the same chain waits on the same read
+    assert isinstance(joined, PendingMatch) and joined.load is ticket.load  # type: ignore[attr-defined]
+    cache.wait_loads([ticket], timeout_s=5.0)
+    while not ticket.ready():
+        cache.wait_loads([ticket], timeout_s=5.0)
+    assert cache.finish_load(ticket).length == 3 * PAGE_TOKENS
+    assert cache.finish_load(joined).length == 3 * PAGE_TOKENS
+    assert cache.num_in_flight == 0
+    assert loaded(cache, A) == 3 * PAGE_TOKENS  # bit-exact, tree-owned
+
+
+def test_a_load_that_an_insert_overtakes_is_aborted(tmp_path: Path) -> None:
+    cache = make_cache(tmp_path, num_pages=4)
+    put(cache, A)
+    cache.flush()
+    ticket = cache.match_or_load(A)
+    assert isinstance(ticket, PendingMatch)
+    put(cache, A)  # another request computed A meanwhile: it claims the chain
+    assert cache.l2_aborted_loads == 1 and cache.num_in_flight == 0
+    cache.check_integrity()
+    assert ticket.ready() and cache.finish_load(ticket).length == len(A)
+    assert loaded(cache, A) == len(A)

@@ -108,13 +108,13 @@ def test_a_corrupted_page_file_is_recomputed(
     cache = tiered.cache
     assert isinstance(cache, TieredRadixCache)
     hits_before = []
-    original = cache._read
+    original = cache._collect
 
-    def read(*args: object) -> tuple[list[bytes], bool]:
+    def collect(*args: object) -> tuple[int, bool]:
         hits_before.append(cache.l2_hit_tokens)
         return original(*args)  # type: ignore[arg-type]
 
-    cache._read = read  # type: ignore[method-assign]
+    cache._collect = collect  # type: ignore[method-assign]
     assert script(tiered, corrupt=tmp_path / "l2.pages") == reference
     # the last load ran after the corruption: it found a bad page first and loaded nothing
     assert cache.l2_bad_pages > 0 and cache.l2_hit_tokens == hits_before[-1]

@@ -47,6 +47,9 @@ class MemoryStore:
             del self.tokens[page]
             self.free.append(page)
 
+    def abort_load(self, node: TreeNode) -> None:
+        raise AssertionError("no load is in progress in these tests")
+
 
 def path_tokens(node: TreeNode) -> bytes:
     keys = []
@@ -93,10 +96,10 @@ class Harness:
                     at = (first + i) * PAGE_TOKENS
                     assert self.store.tokens[page] == seq[at : at + PAGE_TOKENS].tobytes()
             self.tree.lock(tm.l1.node)
-            self.tree.pin(tm.chain[-1], True)
+            self.tree.pin(tm.chain, True)
             slots = self.alloc(tm.end - length)
             self.tree.unlock(tm.l1.node)
-            self.tree.pin(tm.chain[-1], False)
+            self.tree.pin(tm.chain, False)
             if slots is not None:
                 for slot, token in zip(slots.tolist(), seq[length : tm.end].tolist(), strict=True):
                     self.token_of[slot] = token

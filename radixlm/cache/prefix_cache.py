@@ -62,6 +62,14 @@ class CacheStats(NamedTuple):
     capacity: int
 
 
+class PendingMatch(ABC):
+    """A match whose continuation is loading from a lower tier (cache/l2_loads.py). The
+    caller keeps the request waiting until `ready()`, then calls `cache.finish_load`."""
+
+    @abstractmethod
+    def ready(self) -> bool: ...
+
+
 class PrefixCache(ABC):
     """KV slots for requests, shared through cached prefixes. One engine thread calls it."""
 
@@ -134,6 +142,24 @@ class PrefixCache(ABC):
     @property
     def capacity(self) -> int:
         return self.pool.capacity
+
+    def match_or_load(
+        self, tokens: TokenIds, namespace: Namespace = None
+    ) -> MatchResult | PendingMatch:
+        """`match`, or, when the prefix continues in a lower tier, a load started in the
+        background (its slots in flight, the prefix it extends locked): keep the request
+        waiting until the load is `ready()`, then `finish_load` it. Without a lower tier,
+        `match`."""
+        return self.match(tokens, namespace)
+
+    def finish_load(self, pending: PendingMatch) -> MatchResult:
+        """The match of a ready load (see `match_or_load`); the same contract as `match`."""
+        raise TypeError(f"{type(self).__name__} starts no loads")
+
+    def wait_loads(self, pending: list[PendingMatch], timeout_s: float) -> None:
+        """Block until one of `pending` may be ready, at most `timeout_s` (nothing to compute
+        meanwhile)."""
+        return None  # a cache without a lower tier never hands out a PendingMatch
 
     def alloc(self, n: int) -> np.ndarray:
         """`n` slots in flight for a request, evicting unlocked leaves (LRU) when the free list

@@ -33,9 +33,10 @@ from typing import Any
 import numpy as np
 
 from radixlm.cache.kv_pool import KVPool, OutOfSlotsError
+from radixlm.cache.l2_loads import L2Load, LoadTicket, wait_any
 from radixlm.cache.l2_pages import L2Error, L2PageFile, page_key
 from radixlm.cache.page_copy import LoadSink, gather_page
-from radixlm.cache.prefix_cache import RadixCache
+from radixlm.cache.prefix_cache import PendingMatch, RadixCache
 from radixlm.cache.radix_tree import MatchResult, Namespace, TreeNode
 from radixlm.cache.tiered_tree import PAGE_TOKENS, TieredTree, TierMatch
 from radixlm.cache.tree_node import TokenIds
@@ -68,7 +69,8 @@ class TieredRadixCache(RadixCache):
         self._fingerprint = l2.fingerprint  # in every page key: another layout never matches
         self.l2_hit_tokens = self.l2_written_pages = self.l2_read_pages = 0
         self.l2_rejected_tokens = self.l2_bad_pages = self.l2_read_timeouts = 0
-        self.l2_loads = 0
+        self.l2_loads = self.l2_aborted_loads = 0
+        self._loading: dict[int, L2Load] = {}  # id(chain node) -> the load reading it
         self.l2_load_seconds = 0.0
         self.l2_load_buckets = [0] * (len(LOAD_BUCKETS) + 1)  # the last one: above all bounds
 
@@ -108,65 +110,97 @@ class TieredRadixCache(RadixCache):
     # -- matching continues into L2 ----------------------------------------------------------
 
     def match(self, tokens: TokenIds, namespace: Namespace = None) -> MatchResult:
-        """The L1 prefix, lengthened by what L2 holds after it (loaded into tree-owned slots).
-        Unlike RadixCache.match this may allocate slots and hand them to the tree."""
+        """The L1 prefix, lengthened by what L2 holds after it, loaded now (waiting for the
+        reads). Unlike RadixCache.match this may allocate slots and hand them to the tree."""
         ids = np.asarray(tokens, dtype=np.int64)
         tm = self.tree.match_tiers(ids, namespace)
-        if not tm.chain:
-            return tm.l1
-        return self._load(ids, namespace, tm)
+        if tm.busy is not None:  # another request's load is reading it: let it finish
+            self._finish(self._loading[id(tm.busy)])
+            return self.match(ids, namespace)
+        load = self._start(ids, namespace, tm) if tm.chain else None
+        return tm.l1 if load is None else self._finish(load)
 
-    def _load(self, ids: np.ndarray, namespace: Namespace, tm: TierMatch) -> MatchResult:
+    def match_or_load(
+        self, tokens: TokenIds, namespace: Namespace = None
+    ) -> MatchResult | PendingMatch:
+        ids = np.asarray(tokens, dtype=np.int64)
+        tm = self.tree.match_tiers(ids, namespace)
+        if tm.busy is not None:
+            return LoadTicket(self._loading[id(tm.busy)], ids, namespace, owner=False)
+        load = self._start(ids, namespace, tm) if tm.chain else None
+        return tm.l1 if load is None else LoadTicket(load, ids, namespace, owner=True)
+
+    def finish_load(self, pending: PendingMatch) -> MatchResult:
+        if not isinstance(pending, LoadTicket):
+            raise TypeError(f"not a load of this cache: {pending!r}")
+        if pending.load.done:
+            return self.match(pending.ids, pending.namespace)
+        result = self._finish(pending.load)
+        return result if pending.owner else self.match(pending.ids, pending.namespace)
+
+    def wait_loads(self, pending: list[PendingMatch], timeout_s: float) -> None:
+        wait_any([p for p in pending if isinstance(p, LoadTicket)], timeout_s)
+
+    def abort_load(self, node: TreeNode) -> None:
+        load = self._loading[id(node)]
+        self._release(load)
+        self._free_in_flight(load.slots)
+        self.l2_aborted_loads += 1
+
+    def _start(self, ids: np.ndarray, namespace: Namespace, tm: TierMatch) -> L2Load | None:
+        """Lock the prefix, pin the chain, allocate its slots and submit its reads; None if
+        the slots cannot be had."""
         m, tree = tm.l1, self.tree
-        tree.lock(m.node)  # the alloc below may evict; keep the prefix we extend
-        tree.pin(tm.chain[-1], True)  # ... and the chain we are about to read
+        tree.lock(m.node)  # held until the load ends: the prefix it extends stays
+        tree.pin(tm.chain, True)
         try:
-            new = self.alloc(tm.end - m.length)
+            slots = self.alloc(tm.end - m.length)
         except OutOfSlotsError:
-            new = None
-        tree.unlock(m.node)
-        if new is None:
-            tree.pin(tm.chain[-1], False)
-            return m
-        started = time.perf_counter()
-        num_pages, bad = self._read(ids, namespace, tm, new)
-        tree.pin(tm.chain[-1], False)
-        end = max(m.length, (m.length // PAGE_TOKENS + num_pages) * PAGE_TOKENS)
-        used = end - m.length
-        self._free_in_flight(new[used:])
-        result = m
-        if used:
-            result = tree.promote(tm, end, new[:used])
-            self.num_in_flight -= used  # tree-owned now
-        if bad:
-            self._forget_after(result.node, ids, end)
-        self._observe_load(time.perf_counter() - started, num_pages, used)
-        return result
-
-    def _read(
-        self, ids: np.ndarray, namespace: Namespace, tm: TierMatch, slots: np.ndarray
-    ) -> tuple[int, bool]:
-        """Read the chain's pages into `slots` (tokens l1.length .. end), in parallel; how many
-        leading pages arrived, and whether the one after them was doubtful (a miss: forget it)
-        rather than late (within a deadline that grows with the pages; it stays)."""
+            tree.unlock(m.node)
+            tree.pin(tm.chain, False)
+            return None
         pages = np.concatenate([c.pages for c in tm.chain if c.pages is not None]).tolist()
-        start = tm.l1.length
-        first = start // PAGE_TOKENS
+        start, first = m.length, m.length // PAGE_TOKENS
         keys = _chain(self._fingerprint, namespace, ids, first + len(pages))
         sink = LoadSink(self.kv, PAGE_TOKENS)
-        futures = []
+        futures: list[Future[bytearray | None] | None] = []
         for i, page in enumerate(pages):
-            t0 = (first + i) * PAGE_TOKENS  # the page's first token; slots start at `start`
-            lo, hi = max(t0, start) - start, t0 + PAGE_TOKENS - start
-            copy = sink.page(slots[lo:hi], max(0, start - t0))
-            futures.append(
-                self.l2.read(page, keys[first + i], copy) if self._written(page) else None
-            )
-        deadline = time.perf_counter() + self.read_timeout_s * len(futures)
+            t0 = (first + i) * PAGE_TOKENS  # the page's first token; the slots start at `start`
+            copy = sink.page(slots[max(t0, start) - start : t0 + PAGE_TOKENS - start],
+                             max(0, start - t0))  # fmt: skip
+            ok = self._written(page)
+            futures.append(self.l2.read(page, keys[first + i], copy) if ok else None)
+        now = time.perf_counter()
+        load = L2Load(tm, ids, slots, futures, sink, now, now + self.read_timeout_s * len(pages))
+        for node in tm.chain:
+            self._loading[id(node)] = load
+        return load
+
+    def _finish(self, load: L2Load) -> MatchResult:
+        """Wait for the load's reads (until its deadline), then promote the pages that arrived
+        in order; the first doubtful page and everything below it are forgotten."""
+        num_pages, bad = self._collect(load)
+        self._release(load)
+        m = load.tm.l1
+        end = max(m.length, (m.length // PAGE_TOKENS + num_pages) * PAGE_TOKENS)
+        used = end - m.length
+        self._free_in_flight(load.slots[used:])
+        result = m
+        if used:
+            result = self.tree.promote(load.tm, end, load.slots[:used])
+            self.num_in_flight -= used  # tree-owned now
+        if bad:
+            self._forget_after(result.node, load.ids, end)
+        self._observe_load(time.perf_counter() - load.started, num_pages, used)
+        return result
+
+    def _collect(self, load: L2Load) -> tuple[int, bool]:
+        """How many leading pages arrived, and whether the next one was doubtful (a miss)
+        rather than late (it stays on L2)."""
         done, bad = 0, False
-        for future in futures:
+        for future in load.futures:
             try:
-                wait_s = max(0.0, deadline - time.perf_counter())
+                wait_s = max(0.0, load.deadline - time.perf_counter())
                 data = None if future is None else future.result(wait_s)
             except FutureTimeout:
                 self.l2_read_timeouts += 1
@@ -177,11 +211,20 @@ class TieredRadixCache(RadixCache):
                 bad = True
                 break
             done += 1
-        for future in futures[done:]:
-            if future is not None:
-                future.cancel()  # not started: no I/O for pages that will not be used
-        sink.cancel()  # late reads copy nothing into slots that are about to be freed
         return done, bad
+
+    def _release(self, load: L2Load) -> None:
+        """End a load: no late read copies anything, the chain is unpinned, the prefix
+        unlocked. Its slots are the caller's to promote or free."""
+        load.sink.cancel()
+        for future in load.futures:
+            if future is not None:
+                future.cancel()  # not started: no I/O for pages nobody will use
+        for node in load.tm.chain:
+            self._loading.pop(id(node), None)
+        self.tree.pin(load.tm.chain, False)
+        self.tree.unlock(load.tm.l1.node)
+        load.done = True
 
     def _written(self, page: int) -> bool:
         """Whether `page`'s last write is done and succeeded (a failed one is a miss)."""
@@ -191,8 +234,7 @@ class TieredRadixCache(RadixCache):
     def _forget_after(self, node: TreeNode, ids: np.ndarray, end: int) -> None:
         """Forget the L2 node below `node` at `end` and everything under it: it holds a page
         that failed its check, so nothing below it can be trusted or reached."""
-        first = ids[end : end + self.tree.page_size].tobytes()
-        child = node.l2_children.get(first)
+        child = node.l2_children.get(ids[end : end + self.tree.page_size].tobytes())
         if child is not None:
             self.tree.drop_l2(child)
 

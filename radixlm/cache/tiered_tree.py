@@ -50,11 +50,15 @@ class PageStore(Protocol):
     def free_pages(self, pages: np.ndarray) -> None:
         """Give pages back once no node holds them."""
 
+    def abort_load(self, node: TreeNode) -> None:
+        """An insert reached `node` while a load was reading it: end that load, unpinned."""
+
 
 class TierMatch(NamedTuple):
     l1: MatchResult  # the prefix in RAM, as RadixTree.match returns it
     chain: tuple[TreeNode, ...]  # the L2-only nodes that continue it, down to `end`
     end: int  # where the continuation ends (a page boundary); l1.length when there is none
+    busy: TreeNode | None = None  # the continuation runs into a node a load is reading
 
 
 class TieredTree(RadixTree):
@@ -74,17 +78,22 @@ class TieredTree(RadixTree):
 
     def match_tiers(self, tokens: TokenIds, namespace: Namespace = None) -> TierMatch:
         """`match`, then the L2 nodes that continue it, ending on a page boundary (the last one
-        split there). Touches them (L2 LRU). Pin `chain[-1]` before anything can evict L2."""
+        split there; it stops at a node a load is reading). Touches them (L2 LRU). Pin the chain
+        before anything can evict L2."""
         ids = np.asarray(tokens, dtype=np.int64)
         m = self.match(ids, namespace)
         node = m.node
         if not node.l2_children:
             return TierMatch(m, (), m.length)
         buf, page_b = self._page_bytes_of(ids), self._page_bytes
-        pos, chain = m.length * TOKEN_BYTES, []
+        pos, chain = m.length * TOKEN_BYTES, list[TreeNode]()
         while pos < len(buf):
             child = node.l2_children.get(buf[pos : pos + page_b])
             if child is None:
+                break
+            if child.l2_pinned:  # being loaded for another request: never split it
+                if not chain:
+                    return TierMatch(m, (), m.length, child)
                 break
             chain.append(child)
             if not buf.startswith(child.key, pos):
@@ -116,13 +125,14 @@ class TieredTree(RadixTree):
             node = c
         return MatchResult(end, np.concatenate([m.slots, slots]), node)
 
-    def pin(self, node: TreeNode, pinned: bool) -> None:
-        """Keep `node` (and so its L2 ancestors) out of L2 eviction while a load reads it."""
-        node.l2_pinned = pinned
-        if pinned and node.l2_seq:
-            self.l2_order.discard(node)
-        elif not pinned:
-            self._maybe_l2_leaf(node)
+    def pin(self, chain: tuple[TreeNode, ...], pinned: bool) -> None:
+        """Keep a chain out of L2 eviction, splits and claims while a load reads it."""
+        for node in chain:
+            node.l2_pinned = pinned
+            if pinned and node.l2_seq:
+                self.l2_order.discard(node)
+            elif not pinned:
+                self._maybe_l2_leaf(node)
 
     # -- leaving and entering RAM -------------------------------------------------------------
 
@@ -167,6 +177,8 @@ class TieredTree(RadixTree):
             child = node.l2_children.get(buf[pos : pos + page_b])
             if child is None:
                 break
+            if child.l2_pinned:
+                self.store.abort_load(child)  # these tokens were computed first: load nothing
             if not buf.startswith(child.key, pos):
                 child = self._split(child, self._common_len(child.key, buf, pos))
             at = pos // TOKEN_BYTES
