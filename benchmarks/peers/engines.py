@@ -133,12 +133,14 @@ ENGINES: dict[str, Engine] = {
 
 # `run.py --isa avx2`: every engine held to AVX2 + FMA on a host that has more. radixlm picks its
 # kernel variant from RADIXLM_ISA; PyTorch (radixlm, vLLM, transformers) from ATEN_CPU_CAPABILITY,
-# its oneDNN from ONEDNN_MAX_CPU_ISA and MKL from MKL_ENABLE_INSTRUCTIONS; llama.cpp has no such
-# switch, so llama-server is swapped for a build compiled for AVX2 only (install.sh llama-avx2).
+# its oneDNN from ONEDNN_MAX_CPU_ISA and MKL from MKL_ENABLE_INSTRUCTIONS. vLLM chooses its own
+# kernel library from torch.cpu's feature probes, which read the CPU: no_avx512/sitecustomize.py
+# makes them answer no. llama.cpp has no such switch, so llama-server is swapped for a build
+# compiled for AVX2 only (install.sh llama-avx2).
 ISA_CAPS: dict[str, dict[str, str]] = {
     "native": {},
     "avx2": {"RADIXLM_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2", "PYTHONPATH": str(HERE / "no_avx512")},
 }  # fmt: skip
 
 

@@ -70,6 +70,8 @@ def main() -> None:
     if args.quick:
         for name, params in QUICK.items():
             WORKLOADS[name] = {**WORKLOADS[name], **params}
+    # a SIGTERM (timeout, kill) unwinds through run_server's `finally`, which stops the engine
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.out.mkdir(parents=True, exist_ok=True)
     (CACHE / "logs").mkdir(parents=True, exist_ok=True)
     found = versions()
