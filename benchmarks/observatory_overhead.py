@@ -9,7 +9,9 @@ ignored. Each round runs each workload (gsp, multiturn) twice, with `return_cach
 every request and without, in alternating order (off-on, then on-off), and the cache is flushed
 before each run: both arms do the same work from the same empty tree. Per workload the figure is
 the output tok/s of "on" over "off", paired within each round: its median over the rounds, with
-a distribution-free interval of that median (order statistics, about 95 %). The server's own
+a distribution-free interval of that median (order statistics, about 95 %). Beside it, the
+server process's CPU time per run (user + system, from /proc), paired the same way: on a shared
+host the CPU a run used moves far less with the load than its wall time does. The server's own
 counter (`radixlm_cache_reports_total`) checks that "on" explained every request, "off" none.
 
 Also timed here, in this process: the costs every request pays (`PromptIndex.record`, the salt
@@ -64,34 +66,37 @@ def main() -> None:
         "workloads": {},
         "components": component_costs(),
     }
-    with serve(args.dtype, args.num_threads) as base:
-        runs = asyncio.run(run_rounds(base, args.rounds, args.concurrency))
+    with serve(args.dtype, args.num_threads) as server:
+        runs = asyncio.run(run_rounds(server, args.rounds, args.concurrency))
     for name in WORKLOADS:
         result["workloads"][name] = summarize(name, [r for r in runs if r["workload"] == name])
     result["runs"] = runs
     for name, w in result["workloads"].items():
-        print(f"{name}: on/off {w['ratio_median']:.4f} [{w['ratio_low']:.4f}, "
+        print(f"{name}: tok/s on/off {w['ratio_median']:.4f} [{w['ratio_low']:.4f}, "
               f"{w['ratio_high']:.4f}]; off {w['off_tok_s_median']:.1f} tok/s, "
-              f"on {w['on_tok_s_median']:.1f}")  # fmt: skip
+              f"on {w['on_tok_s_median']:.1f}; CPU on/off {w['cpu_ratio_median']:.4f} "
+              f"[{w['cpu_ratio_low']:.4f}, {w['cpu_ratio_high']:.4f}]")  # fmt: skip
     print("components:", json.dumps(result["components"]))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 
 
-async def run_rounds(base: str, rounds: int, concurrency: int) -> list[dict[str, Any]]:
+async def run_rounds(server: serve, rounds: int, concurrency: int) -> list[dict[str, Any]]:
     runs: list[dict[str, Any]] = []
+    base = server.base
     async with httpx.AsyncClient(base_url=base, timeout=60) as client:
         for r in range(rounds):
             for name, params in WORKLOADS.items():
                 for on in (False, True) if r % 2 == 0 else (True, False):
                     await client.post("/v1/cache/flush")
-                    before = await reports_counted(client)
+                    before, cpu = await reports_counted(client), server.cpu_s()
                     summary = await one_run(base, name, params, concurrency, on)
+                    cpu = server.cpu_s() - cpu
                     explained = await reports_counted(client) - before
                     runs.append({
                         "round": r, "workload": name, "reports": on,
                         "output_tok_s": round(summary["output_tok_s"], 3),
-                        "duration_s": round(summary["duration_s"], 3),
+                        "duration_s": round(summary["duration_s"], 3), "cpu_s": round(cpu, 3),
                         "ttft_p50_ms": round(summary["ttft_p50_ms"], 1),
                         "num_requests": summary["num_requests"],
                         "num_errors": summary["num_errors"], "explained": explained,
@@ -130,6 +135,11 @@ def summarize(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     ratios = sorted(on[k] / off[k] for k in off)
     low, high = median_interval(ratios)
     median = statistics.median(ratios)
+    cpu_off = {r["round"]: r["cpu_s"] for r in runs if not r["reports"]}
+    cpu_on = {r["round"]: r["cpu_s"] for r in runs if r["reports"]}
+    cpu_ratios = sorted(cpu_on[k] / cpu_off[k] for k in cpu_off)
+    cpu_low, cpu_high = median_interval(cpu_ratios)
+    cpu_median = statistics.median(cpu_ratios)
     return {
         "params": WORKLOADS[name],
         "off_tok_s_median": round(statistics.median(off.values()), 2),
@@ -138,6 +148,12 @@ def summarize(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "ratio_low": round(low, 4),
         "ratio_high": round(high, 4),
         "cost": round(1 - median, 4),
+        "off_cpu_s_median": round(statistics.median(cpu_off.values()), 3),
+        "on_cpu_s_median": round(statistics.median(cpu_on.values()), 3),
+        "cpu_ratio_median": round(cpu_median, 4),
+        "cpu_ratio_low": round(cpu_low, 4),
+        "cpu_ratio_high": round(cpu_high, 4),
+        "cpu_cost": round(cpu_median - 1, 4),
     }
 
 
@@ -170,7 +186,7 @@ def component_costs() -> dict[str, float]:
 
 
 class serve:
-    """`radixlm serve` in a child process on a free port; the context gives its base URL."""
+    """`radixlm serve` in a child process on a free port (`base`, its URL), with its CPU time."""
 
     def __init__(self, dtype: str, num_threads: int | None) -> None:
         with socket.socket() as sock:
@@ -178,24 +194,29 @@ class serve:
             self.port = sock.getsockname()[1]
         self.dtype, self.num_threads = dtype, num_threads
 
-    def __enter__(self) -> str:
+    def __enter__(self) -> serve:
         command = [sys.executable, "-m", "radixlm", "serve", "--port", str(self.port),
                    "--dtype", self.dtype, "--log-level", "warning"]  # fmt: skip
         if self.num_threads is not None:
             command += ["--num-threads", str(self.num_threads)]
         self.process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        base = f"http://127.0.0.1:{self.port}"
+        self.base = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise SystemExit(f"radixlm serve exited with {self.process.returncode}")
             try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    return base
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
         raise SystemExit("radixlm serve did not come up in 300 s")
+
+    def cpu_s(self) -> float:
+        """The server process's CPU time so far (user + system, every thread), in seconds."""
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def __exit__(self, *exc: object) -> None:
         self.process.terminate()
