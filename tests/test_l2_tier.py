@@ -8,10 +8,12 @@ import errno
 import logging
 import os
 import random
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from engine_helpers import assert_idle, outputs, run, save_engine_model
+from engine_helpers import GREEDY, assert_idle, outputs, run, save_engine_model
 
 from radixlm.cache.tiered_cache import TieredRadixCache
 from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -142,4 +144,41 @@ def test_a_full_disk_is_logged_and_recomputed(
         assert script(tiered) == reference
     assert cache.l2_written_pages > 0 and cache.l2_bad_pages > 0 and cache.l2_hit_tokens == 0
     assert "L2 page write failed" in caplog.text
+    assert_idle(tiered)
+
+
+def test_other_requests_compute_while_a_prefix_loads_from_disk(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    rng = random.Random(11)
+    words = lambda n: [rng.randrange(1, 250) for _ in range(n)]  # noqa: E731
+    first, filler, short = words(120), words(330), words(20)
+    plain = engine(model_dir, cache="none")
+    second = first + outputs(run(plain, [first]))[0] + words(30)
+    follow = second + outputs(run(plain, [second]))[0] + words(30)
+    expected = outputs(run(plain, [follow, short]))
+
+    tiered = engine(model_dir, l2_dir=tmp_path)
+    cache = tiered.cache
+    assert isinstance(cache, TieredRadixCache)
+    run(tiered, [first])
+    run(tiered, [second])  # a second turn: worth writing to disk
+    run(tiered, [filler])  # the conversation's KV leaves RAM for the page file
+    hits = cache.l2_hit_tokens
+    disk, fast = threading.Event(), cache.l2._pread
+
+    def slow(page: int, key: bytes, sink: Callable[[bytearray], None] | None) -> bytearray | None:
+        disk.wait(10.0)
+        return fast(page, key, sink)
+
+    cache.l2._pread = slow  # type: ignore[method-assign]
+    samples = [tiered.requests(tiered.add_request(p, GREEDY))[0] for p in (follow, short)]
+    while not samples[1].finished:
+        tiered.step()  # the short request runs to its end while the follow-up waits for disk
+    assert samples[0].first_token_time is None and samples[0].computed_len == 0
+    disk.set()
+    while tiered.has_unfinished():
+        tiered.step()
+    assert [s.output_ids for s in samples] == expected
+    assert cache.l2_hit_tokens - hits >= 128 and cache.l2_read_timeouts == 0
     assert_idle(tiered)

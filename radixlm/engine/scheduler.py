@@ -39,8 +39,8 @@ from typing import NamedTuple
 import numpy as np
 
 from radixlm.cache.kv_pool import OutOfSlotsError
-from radixlm.cache.prefix_cache import PrefixCache
-from radixlm.cache.radix_tree import RadixTree, TreeNode
+from radixlm.cache.prefix_cache import PendingMatch, PrefixCache
+from radixlm.cache.radix_tree import MatchResult, RadixTree, TreeNode
 from radixlm.config import SchedulerConfig
 from radixlm.engine.request import Request, RequestState
 
@@ -83,6 +83,7 @@ class Scheduler:
         self.cache = cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is the newest
+        self._loads: dict[int, PendingMatch] = {}  # id(waiting request) -> its prefix loading
         self.num_retractions = 0
 
     # ---- queues ---------------------------------------------------------------------------
@@ -109,6 +110,9 @@ class Scheduler:
         if req.state is RequestState.WAITING:
             if req in self.waiting:
                 self.waiting.remove(req)
+            pending = self._loads.pop(id(req), None)
+            if pending is not None:
+                self.cache.finish_load(pending)  # its slots and lock go back
         elif req.state is RequestState.RUNNING:
             self.running.remove(req)
             self._drop_kv(req)
@@ -145,6 +149,8 @@ class Scheduler:
             if req.state is RequestState.RUNNING and self._extend(req, n, out, scheduled):
                 budget -= n
         self._admit(budget, out)
+        if not out.scheduled and self._loads:  # nothing to compute: wait for the disk, not spin
+            self.cache.wait_loads(list(self._loads.values()), timeout_s=0.05)
         return out
 
     def _extend(self, req: Request, n: int, out: SchedulerOutput, scheduled: set[int]) -> bool:
@@ -173,7 +179,9 @@ class Scheduler:
         for req in self._waiting_order():
             if budget == 0 or len(self.running) >= self.config.max_running_requests:
                 break
-            match = self.cache.match(req.lookup_key, req.namespace)
+            match = self._match(req)
+            if match is None:
+                continue  # its prefix is loading from disk: admitted once it is in RAM
             if in_progress is not None:
                 shared = in_progress.peek(req.lookup_key, req.namespace)
                 if shared > match.length:
@@ -199,6 +207,20 @@ class Scheduler:
             self.waiting.remove(req)
         for req in self.waiting:
             req.wait_steps += 1
+
+    def _match(self, req: Request) -> MatchResult | None:
+        """The request's cached prefix, or None while a lower tier loads it (others keep
+        computing meanwhile; the load ends when its reads do or after a timeout)."""
+        pending = self._loads.pop(id(req), None)
+        if pending is None:
+            got = self.cache.match_or_load(req.lookup_key, req.namespace)
+            if isinstance(got, MatchResult):
+                return got
+            pending = got
+        if not pending.ready():
+            self._loads[id(req)] = pending
+            return None
+        return self.cache.finish_load(pending)
 
     def _waiting_order(self) -> list[Request]:
         """FCFS, or LPM: requests past the age bound first (oldest first), then the longest
