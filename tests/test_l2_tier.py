@@ -147,24 +147,18 @@ def test_a_full_disk_is_logged_and_recomputed(
     assert_idle(tiered)
 
 
-def test_other_requests_compute_while_a_prefix_loads_from_disk(
-    model_dir: Path, tmp_path: Path
-) -> None:
+def on_disk(model_dir: Path, tmp_path: Path) -> tuple[Engine, list[int], threading.Event]:
+    """An L2 engine whose two-turn conversation left RAM for disk, reads from which wait for
+    the returned event; the conversation's next prompt."""
     rng = random.Random(11)
     words = lambda n: [rng.randrange(1, 250) for _ in range(n)]  # noqa: E731
-    first, filler, short = words(120), words(330), words(20)
-    plain = engine(model_dir, cache="none")
-    second = first + outputs(run(plain, [first]))[0] + words(30)
-    follow = second + outputs(run(plain, [second]))[0] + words(30)
-    expected = outputs(run(plain, [follow, short]))
-
+    first, filler = words(120), words(330)
     tiered = engine(model_dir, l2_dir=tmp_path)
+    second = first + outputs(run(tiered, [first]))[0] + words(30)
+    follow = second + outputs(run(tiered, [second]))[0] + words(30)  # a second turn: kept
+    run(tiered, [filler])  # the conversation's KV leaves RAM for the page file
     cache = tiered.cache
     assert isinstance(cache, TieredRadixCache)
-    run(tiered, [first])
-    run(tiered, [second])  # a second turn: worth writing to disk
-    run(tiered, [filler])  # the conversation's KV leaves RAM for the page file
-    hits = cache.l2_hit_tokens
     disk, fast = threading.Event(), cache.l2._pread
 
     def slow(page: int, key: bytes, sink: Callable[[bytearray], None] | None) -> bytearray | None:
@@ -172,6 +166,18 @@ def test_other_requests_compute_while_a_prefix_loads_from_disk(
         return fast(page, key, sink)
 
     cache.l2._pread = slow  # type: ignore[method-assign]
+    return tiered, follow, disk
+
+
+def test_other_requests_compute_while_a_prefix_loads_from_disk(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    tiered, follow, disk = on_disk(model_dir, tmp_path)
+    short = list(range(3, 23))
+    expected = outputs(run(engine(model_dir, cache="none"), [follow, short]))
+    cache = tiered.cache
+    assert isinstance(cache, TieredRadixCache)
+    hits = cache.l2_hit_tokens
     samples = [tiered.requests(tiered.add_request(p, GREEDY))[0] for p in (follow, short)]
     while not samples[1].finished:
         tiered.step()  # the short request runs to its end while the follow-up waits for disk
@@ -181,4 +187,16 @@ def test_other_requests_compute_while_a_prefix_loads_from_disk(
         tiered.step()
     assert [s.output_ids for s in samples] == expected
     assert cache.l2_hit_tokens - hits >= 128 and cache.l2_read_timeouts == 0
+    assert_idle(tiered)
+
+
+def test_a_request_aborted_while_its_prefix_loads_gives_everything_back(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    tiered, follow, disk = on_disk(model_dir, tmp_path)
+    rid = tiered.add_request(follow, GREEDY)
+    tiered.step()
+    assert tiered.cache.num_in_flight > 0  # the load's slots
+    threading.Timer(0.2, disk.set).start()  # the abort waits for the reads it started
+    tiered.abort(rid)
     assert_idle(tiered)
