@@ -137,6 +137,8 @@ def benchmarks_page() -> str:
         agents_section(),
         "## Eviction policies and a disk tier, on a production trace\n",
         tiers_section(),
+        "### The disk tier, served\n",
+        l2_served_section(),
         "## Replicas behind a cache-aware gateway\n",
         replicas_section(),
         "## What cache reports cost\n",
@@ -330,6 +332,17 @@ def tiers_section() -> str:
         )
     lines.append(f"\n{_host_line(result.get('host'))}.\n")
     return "\n".join(lines)
+
+
+def l2_served_section() -> str:
+    path = BENCH / "l2_served.json"
+    if not path.exists():
+        return "No run recorded yet (`benchmarks/l2_served.py`).\n"
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from l2_served import render_section  # benchmarks/l2_served.py renders its own section
+
+    result = json.loads(path.read_text())
+    return render_section(result, _host_line(result.get("host")))
 
 
 def _tb(value: float | None) -> str:
