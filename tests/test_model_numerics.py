@@ -8,6 +8,7 @@ the same rows. Slots are handed out in shuffled order, so nothing relies on cont
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,10 +17,10 @@ from test_native_kernel import ISAS, require_native_kernels
 
 from radixlm.cache.kv_pool import KVPool
 from radixlm.model import native, packed_linear, shared_prefix
-from radixlm.model.forward_batch import ForwardBatch, ForwardMode
+from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.loader import load_causal_lm
 from radixlm.model.shared_prefix import find_shared_prefixes
-from radixlm.model.transformer import CausalLM, DecoderLayer, Linear
+from radixlm.model.transformer import CausalLM, Linear
 
 TOLERANCE = 1e-4
 SEQ_LEN = 24
@@ -92,7 +93,9 @@ def variant(each_tiny_hf_model, request, monkeypatch):  # type: ignore[no-untype
         monkeypatch.setenv("RADIXLM_ISA", request.param)
         require_native_kernels(request.param)
     model = load_causal_lm(str(each_tiny_hf_model.path))
-    model.native_kernels = request.param != "torch"
+    if request.param == "torch":
+        model.use_kernels(None)  # the PyTorch reference path
+    assert model.native_kernels == (request.param != "torch")
     return model, each_tiny_hf_model.reference
 
 
@@ -188,10 +191,11 @@ def test_bfloat16_kv_decodes_sharing_a_prefix(
     """A bfloat16 pool (under a bfloat16 or a float32 model): decodes on a shared run, in a pure
     decode step and riding along with a prefill, stay near the float32 reference."""
     tiny = tiny_hf_model("llama-gqa-llama3rope")
-    model = load_causal_lm(str(tiny.path), dtype=dtype)
-    model.native_kernels = native_kernels
     if native_kernels:
         require_native_kernels()
+    model = load_causal_lm(str(tiny.path), dtype=dtype)
+    if not native_kernels:
+        model.use_kernels(None)
     prefix = random_ids(40, seed=60)
     seqs = [prefix + random_ids(4 + i, seed=61 + i) for i in range(3)]
     session = Session(model, kv_dtype=torch.bfloat16)
@@ -217,7 +221,8 @@ def test_fused_decode_step_equals_the_layer_loop(
     on a shared run and one alone, over several steps, and a step of 20 requests."""
     require_native_kernels()
     model = load_causal_lm(str(tiny_hf_model("llama-gqa-llama3rope").path), dtype=dtype)
-    assert model.fused_decode() is not None
+    fused = model.backend
+    assert fused.fused is not None and fused.kernels is not None and fused.kernels.isa == isa
     calls = []
     real = native.Kernels.decode_layers
     monkeypatch.setattr(
@@ -225,7 +230,7 @@ def test_fused_decode_step_equals_the_layer_loop(
     )
     runs = []
     for fuse in (True, False, True):  # the second fused run on a new pool: no stale pool addresses
-        model.fuse_decode = fuse
+        model.backend = fused if fuse else replace(fused, fused=None)
         calls.clear()
         session = Session(model, seed=5, kv_dtype=kv_dtype)
         shared = session.prefill(random_ids(40, seed=80))
@@ -251,48 +256,13 @@ def test_fused_decode_step_equals_the_layer_loop(
         assert torch.equal(fused_kv, loop_kv)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_trimmed_last_layer_equals_the_full_layer(
-    tiny_hf_model, dtype: str, monkeypatch: pytest.MonkeyPatch
-) -> None:  # type: ignore[no-untyped-def]
-    """A prefill chunk's last layer on the logits rows only (trim_last_layer) gives the same bits
-    as on every row: logits and every K/V row written, for requests with and without a cached
-    prefix and with 1 to 44 new tokens, and decode rows riding along (the decode kernel in
-    both)."""
-    require_native_kernels()
-    model = load_causal_lm(str(tiny_hf_model("llama-gqa-llama3rope").path), dtype=dtype)
-    trimmed = []
-    real = DecoderLayer.forward
-    monkeypatch.setattr(  # a call with `rows` (the 8th argument) is a trimmed layer
-        DecoderLayer, "forward", lambda self, *a: trimmed.extend(a[7:]) or real(self, *a)
-    )
-    runs = []
-    for trim in (True, False):
-        model.trim_last_layer = trim
-        trimmed.clear()
-        session = Session(model, seed=5)
-        shared = session.prefill(random_ids(16, seed=80))
-        news = [random_ids(n, seed=81 + n) for n in (7, 44, 1, 12)]
-        first, slots = session.forward(news, [shared, shared, shared, EMPTY], all_logits=False)
-        tails = [[3], random_ids(9, seed=95)]
-        riding, _ = session.forward(tails, [slots[0], slots[3]], all_logits=False)
-        pool = session.pool
-        kv = [torch.stack([pool.k_cache(i), pool.v_cache(i)]) for i in range(pool.num_layers)]
-        runs.append((first, riding, torch.stack(kv), len(trimmed)))
-    (first, riding, kv, calls), (full_first, full_riding, full_kv, full_calls) = runs
-    assert (calls, full_calls) == (3, 0)  # the shared prefill, then both steps, were trimmed
-    assert torch.equal(first, full_first)
-    assert torch.equal(riding, full_riding)
-    assert torch.equal(kv, full_kv)
-
-
 def test_fused_decode_refuses_what_does_not_fit(tiny_hf_model) -> None:  # type: ignore[no-untyped-def]
     """decode_layers checks what it is handed before any native code runs: tables of the wrong
     shape or type, rows the layout does not have, a dtype it does not run, K/V strides of no
     pool layout."""
     require_native_kernels()
     model = load_causal_lm(str(tiny_hf_model("llama-gqa-llama3rope").path))
-    fused = model.fused_decode()
+    fused = model.backend.fused
     assert fused is not None
     session = Session(model)
     slots = [session.prefill(random_ids(6, seed=110 + i)) for i in range(2)]
@@ -329,7 +299,7 @@ def test_fused_decode_is_not_used_where_it_does_not_apply(tiny_hf_model, variant
     (whose decode steps the reference tests above check)."""
     require_native_kernels()
     model = load_causal_lm(str(tiny_hf_model(variant).path))
-    assert model.fused_decode() is None
+    assert model.backend.kernels is not None and model.backend.fused is None
 
 
 def test_shared_runs_are_found_from_slot_ids() -> None:
@@ -355,9 +325,15 @@ def test_decode_batch_with_a_one_token_prompt(variant) -> None:  # type: ignore[
     assert_close(logits[1], reference_logits(reference, long)[-1])
 
 
-def test_decode_batch_is_decode_mode() -> None:
-    batch = ForwardBatch.build([[1], [2]], [np.arange(3), np.arange(5)], [[7], [8]])
-    assert batch.mode is ForwardMode.DECODE
+def test_a_decode_is_one_new_token_over_a_prefix() -> None:
+    """ForwardBatch.is_decode, the model's one definition, which attention and the fused decode
+    step ask: a one-token prompt with nothing cached is not a decode."""
+    decodes = ForwardBatch.build([[1], [2]], [np.arange(3), np.arange(5)], [[7], [8]])
+    assert decodes.is_decode == (True, True) and decodes.is_pure_decode
+    mixed = ForwardBatch.build(
+        [[1], [2], [3, 4]], [EMPTY, np.arange(5), EMPTY], [[7], [8], [9, 10]]
+    )
+    assert mixed.is_decode == (False, True, False) and not mixed.is_pure_decode
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -404,7 +380,7 @@ def test_bfloat16_runs_where_onednn_cannot_pack_it(tiny_hf_model, isa: str, monk
         model = load_causal_lm(str(tiny.path), dtype="bfloat16")
         linears = [m for m in model.modules() if isinstance(m, Linear)]
         assert linears and not any(m.weight.is_mkldnn for m in linears)
-        assert model.fused_decode() is not None
+        assert model.backend.fused is not None
         ids = random_ids(SEQ_LEN, seed=7)
         session = Session(model, kv_dtype=torch.bfloat16)
         logits, (slots,) = session.forward([ids[:-1]], [EMPTY], all_logits=True)
@@ -414,3 +390,28 @@ def test_bfloat16_runs_where_onednn_cannot_pack_it(tiny_hf_model, isa: str, monk
         assert (step - want[-1:]).abs().max() < 0.5
     finally:
         packed_linear.packs.cache_clear()
+
+
+def test_the_backend_is_chosen_once_at_load(tiny_hf_model, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A forward never looks the kernels up again: the backend chosen at load runs, and a model
+    loaded with RADIXLM_NATIVE=0 stays on the PyTorch path after the variable changes."""
+    require_native_kernels()
+    tiny = tiny_hf_model("llama-gqa-llama3rope")
+    path = str(tiny.path)
+    monkeypatch.setenv("RADIXLM_NATIVE", "0")
+    reference_path = load_causal_lm(path)
+    monkeypatch.delenv("RADIXLM_NATIVE")
+    model = load_causal_lm(path)
+    assert reference_path.backend.kernels is None and reference_path.backend.fused is None
+    assert model.backend.kernels is not None and model.backend.fused is not None
+
+    def refuse() -> None:
+        raise AssertionError("a forward chose the kernels again")
+
+    monkeypatch.setattr(native, "kernels", refuse)
+    ids = random_ids(SEQ_LEN, seed=4)
+    for m in (reference_path, model):
+        session = Session(m)
+        slots = session.prefill(ids[:-1])
+        step, _ = session.forward([ids[-1:]], [slots], all_logits=False)
+        assert_close(step[0], reference_logits(tiny.reference, ids)[-1])

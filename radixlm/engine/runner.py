@@ -12,7 +12,6 @@ import torch
 
 from radixlm.cache.kv_pool import KVPool
 from radixlm.config import CacheConfig, ModelConfig
-from radixlm.model import native
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.loader import LoadProgress, load_model
 from radixlm.tokenizer import Tokenizer
@@ -50,15 +49,12 @@ class ModelRunner:
         )
         if progress is not None:
             progress("KV pool", 1, 1)
-        self.kernels_isa: str | None = None  # the native kernels' variant; None: PyTorch paths
-        if self.device.type == "cpu" and self.model.native_kernels:
-            # loaded (built at install, else now) before the first request, which never waits
-            if progress is not None:
-                progress("native kernels", 0, 1)
-            kernels = native.kernels()
-            self.kernels_isa = None if kernels is None else kernels.isa
-            if progress is not None:
-                progress("native kernels", 1, 1)
+        # the native kernels' variant, chosen and loaded with the model (before the first
+        # request, which never waits for them); None: the PyTorch paths run
+        kernels = self.model.backend.for_pool(self.pool).kernels
+        self.kernels_isa: str | None = None if kernels is None else kernels.isa
+        if progress is not None and self.device.type == "cpu":
+            progress("native kernels", 1, 1)
 
     @property
     def max_context_len(self) -> int:

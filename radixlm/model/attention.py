@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.kv_gather import PaddedRuns, gather_rows, head_rows
-from radixlm.model.native import MAX_HEAD_DIM, DecodeLayout, ExtendLayout, Kernels
+from radixlm.model.native import DecodeLayout, ExtendLayout, Kernels
 from radixlm.model.shared_prefix import (
     SharedDecode,
     find_shared_prefixes,
@@ -58,11 +58,11 @@ class ExtendSpan:
 
 @dataclass(frozen=True)
 class DecodeGroup:
-    """Requests with one new token on top of a prefix, attended together: by the native kernel
+    """The batch's decodes (ForwardBatch.is_decode), attended together: by the native kernel
     (`layout`), or else one padded SDPA call (`plain`), or the shared-prefix split when several
     of them share a long run of slots (`shared`)."""
 
-    token_rows: torch.Tensor | None  # (B,) their rows among the T new tokens; None = all, in order
+    token_rows: torch.Tensor  # (B,) their rows among the T new tokens
     layout: DecodeLayout | None  # the group as the native decode kernel takes it
     plain: PaddedRuns | None  # every member's whole slot list, for PyTorch attention
     shared: SharedDecode | None  # the split, when it reads clearly fewer K/V rows
@@ -75,11 +75,12 @@ class DecodeGroup:
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    """Per-forward attention layout, shared by all layers. A decode step is one DecodeGroup; an
-    extend step has a span per multi-token request, and its one-token requests (decodes riding
-    along with a prefill chunk) form a DecodeGroup of their own."""
+    """Per-forward attention layout, shared by all layers: a span per multi-token request, and
+    one DecodeGroup for the decodes. In a pure decode step (`pure_decode`) the group holds every
+    row, in order."""
 
     kernels: Kernels | None  # the native kernels, when this forward uses them
+    pure_decode: bool  # ForwardBatch.is_pure_decode
     spans: list[ExtendSpan]  # multi-token requests for PyTorch attention
     native_spans: ExtendLayout | None  # or all of them, for the native extend kernel
     decode: DecodeGroup | None
@@ -97,25 +98,23 @@ class AttentionPlan:
     ) -> AttentionPlan:
         """`kernels`: the native kernels, for K/V in a CPU pool they read (or None)."""
         device = batch.input_ids.device
-        if head_dim % 16 != 0 or head_dim > MAX_HEAD_DIM:  # the kernels' vector rows
-            kernels = None
         spans: list[ExtendSpan] = []
         for_kernel: list[tuple[int, int, int, torch.Tensor]] = []  # (start, e, prefix, slots)
-        one_token: list[int] = []  # requests that go to the decode group
+        decodes: list[int] = []
         start = 0
         for i, (slots, prefix_len, extend_len) in enumerate(
             zip(batch.seq_slots, batch.prefix_lens, batch.extend_lens)
         ):
-            if _decodes(prefix_len, extend_len):
-                one_token.append(i)
+            if batch.is_decode[i]:
+                decodes.append(i)
             elif kernels is not None:
                 for_kernel.append((start, extend_len, prefix_len, slots))
             else:
                 spans.append(_extend_span(slots, prefix_len, extend_len, start, num_kv_heads))
             start += extend_len
         native_spans = ExtendLayout(for_kernel) if for_kernel else None
-        native_decode = kernels is not None
-        decode = _decode_group(batch, one_token, num_kv_heads, native_decode) if one_token else None
+        native = kernels is not None
+        decode = _decode_group(batch, decodes, num_kv_heads, native) if decodes else None
         num_rows = max(
             [0]
             + [s.gather_rows.numel() for s in spans if s.gather_rows is not None]
@@ -123,36 +122,8 @@ class AttentionPlan:
         )
         k_buffer = torch.empty(num_rows, head_dim, dtype=kv_dtype, device=device)
         v_buffer = torch.empty_like(k_buffer)
-        return cls(kernels, spans, native_spans, decode, k_buffer, v_buffer)
-
-    def last_rows(self, batch: ForwardBatch) -> AttentionPlan:
-        """This plan for one query row per request, its last new token, in request order (for
-        a last layer trimmed to the logits rows): decode members as here (the same kernel,
-        the same bits), every other request a one-token span over all its slots, prefix and
-        new tokens, already in the pool (the extend kernel gives such a row the bits it gives
-        it inside its tile). Native kernels only."""
-        assert self.kernels is not None and not self.spans
-        lens = zip(batch.prefix_lens, batch.extend_lens)
-        members = [
-            i for i, (prefix_len, extend_len) in enumerate(lens) if _decodes(prefix_len, extend_len)
-        ]
-        decode = None
-        if self.decode is not None:
-            rows = torch.tensor(members, dtype=torch.int64, device=batch.input_ids.device)
-            decode = DecodeGroup(rows, self.decode.layout, None, None)
-        decoding = set(members)
-        spans = [
-            (i, 1, len(slots) - 1, slots)
-            for i, slots in enumerate(batch.seq_slots)
-            if i not in decoding
-        ]
-        native_spans = ExtendLayout(spans) if spans else None
-        return AttentionPlan(self.kernels, [], native_spans, decode, self.k_buffer, self.v_buffer)
-
-
-def _decodes(prefix_len: int, extend_len: int) -> bool:
-    """A request of the decode group: one new token on top of a prefix."""
-    return extend_len == 1 and prefix_len > 0
+        pure = batch.is_pure_decode
+        return cls(kernels, pure, spans, native_spans, decode, k_buffer, v_buffer)
 
 
 def _extend_span(
@@ -172,10 +143,8 @@ def _decode_group(
 ) -> DecodeGroup:
     device = batch.input_ids.device
     slot_lists = [batch.seq_slots[i] for i in members]
-    token_rows = None
-    if len(members) != batch.batch_size:  # a mixed batch: pick the members' rows out of T
-        ends = torch.tensor(batch.extend_lens, device=device).cumsum(0)
-        token_rows = ends[members] - 1
+    ends = torch.tensor(batch.extend_lens, device=device).cumsum(0)
+    token_rows = ends[members] - 1  # each member's one new token
     if native:
         layout = DecodeLayout(slot_lists, find_shared_prefixes(slot_lists))
         return DecodeGroup(token_rows, layout, None, None)
@@ -197,7 +166,7 @@ def attend(
     k, v may be None when the plan uses the native kernels (they read the pool only).
     """
     group = plan.decode
-    if group is not None and group.token_rows is None:  # a pure decode step
+    if plan.pure_decode and group is not None:  # the group's rows are all the rows, in order
         return _decode(q, k_cache, v_cache, plan, group)
     num_tokens = q.shape[0]
     if plan.native_spans is not None and plan.kernels is not None:

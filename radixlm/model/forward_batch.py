@@ -8,14 +8,16 @@ Requests are laid out back to back. For request i with `prefix_len_i` tokens alr
     out_slots   [ where each new token's K/V is written ]        (T,)
     seq_slots[i] = prefix slots of r_i + its out_slots           (prefix_len_i + extend_len_i,)
 
-Each new token attends causally to its request's prefix and to the new tokens before it. A decode
-step is the special case extend_len_i == 1 for every request. The model never keeps state between
-calls: everything it needs is here and in the KV pool.
+Each new token attends causally to its request's prefix and to the new tokens before it. A request
+is a decode (`is_decode`) when it has one new token over a non-empty prefix: one query row against
+pool slots, which attention batches into one decode call; a step whose every request is a decode
+(`is_pure_decode`) may run its whole layer loop in one native call. The model never keeps state
+between calls: everything it needs is here and in the KV pool.
 """
 
 from __future__ import annotations
 
-import enum
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,14 +25,8 @@ import numpy as np
 import torch
 
 
-class ForwardMode(enum.Enum):
-    EXTEND = "extend"  # prefill: any number of new tokens per request, on top of a prefix
-    DECODE = "decode"  # one new token per request
-
-
 @dataclass(frozen=True)
 class ForwardBatch:
-    mode: ForwardMode
     input_ids: torch.Tensor  # (T,) int64
     positions: torch.Tensor  # (T,) int64
     out_slots: torch.Tensor  # (T,) int64 pool slots receiving the new K/V
@@ -46,6 +42,18 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @functools.cached_property
+    def is_decode(self) -> tuple[bool, ...]:
+        """Per request: one new token over a non-empty prefix. The model's one definition of a
+        decode row; the engine's `ScheduledRequest.is_decode` (an output token) implies it, and a
+        prompt's last token over a cached prefix is one too (the same single query row)."""
+        return tuple(e == 1 and p > 0 for p, e in zip(self.prefix_lens, self.extend_lens))
+
+    @property
+    def is_pure_decode(self) -> bool:
+        """Every request is a decode (a one-token prompt with nothing cached is not)."""
+        return all(self.is_decode)
 
     @classmethod
     def build(
@@ -70,7 +78,6 @@ class ForwardBatch:
         for i, (e, s) in enumerate(zip(extend_lens, new_slots)):
             if e == 0 or e != len(s):
                 raise ValueError(f"request {i}: {e} new tokens but {len(s)} new slots")
-        mode = ForwardMode.DECODE if all(e == 1 for e in extend_lens) else ForwardMode.EXTEND
         ids = np.fromiter((t for toks in new_tokens for t in toks), dtype=np.int64)
         positions = np.concatenate(
             [np.arange(p, p + e, dtype=np.int64) for p, e in zip(prefix_lens, extend_lens)]
@@ -83,7 +90,6 @@ class ForwardBatch:
         ends = np.cumsum(extend_lens)
         logits_rows = np.arange(int(ends[-1])) if all_logits else ends - 1
         return cls(
-            mode=mode,
             input_ids=torch.from_numpy(ids).to(device),
             positions=torch.from_numpy(positions).to(device),
             out_slots=torch.from_numpy(out).to(device),

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from radixlm.model import native
 from radixlm.model.arch import ArchConfig
 from radixlm.model.gguf_file import GGUFCheckpoint
 from radixlm.model.transformer import FUSED_WEIGHTS, MLP, Attention, CausalLM
@@ -92,7 +93,8 @@ def load_causal_lm(
 ) -> CausalLM:
     """The model alone (no tokenizer) from a Hugging Face directory or a .gguf file.
 
-    `pack_weights`: on CPU, hold Linear weights in oneDNN's layout (about 2x faster matmuls).
+    `pack_weights`: on CPU, hold Linear weights in oneDNN's layout (and the native kernels'),
+    for faster matmuls. The model's backend (backend.py) is chosen here.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -113,12 +115,16 @@ def load_causal_lm(
     model = CausalLM(ArchConfig.from_hf(hf_config), DTYPES[dtype])
     load_weights(model, weights, progress)
     model = model.to(torch_device).eval()
+    # the backend is chosen here, once: this process's kernels (none on a GPU) where they apply
+    kernels = native.kernels() if torch_device.type == "cpu" else None
     if pack_weights:
         if progress is not None:
             progress("packing", 0, 1)
-        model.pack_weights()
+        packed = model.pack_weights(kernels)
         if progress is not None:
             progress("packing", 1, 1)
+    if not (pack_weights and packed):
+        model.use_kernels(kernels)
     return model
 
 

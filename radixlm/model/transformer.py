@@ -8,15 +8,17 @@ one `gate_up_proj`, so a layer runs 4 matmuls instead of 7. The loader fills the
 Data flow of `CausalLM.forward(batch, pool)`, T new tokens of all requests back to back:
 
   input_ids (T,) -> embed (T, hidden) -> [layer] x N -> final norm -> logits rows -> lm_head
-  layer: h += o_proj(attend(rope(q), rope(k) -> pool, v -> pool)); h += down(silu(gate) * up)
-  (each residual add is done with the norm that follows it: RMSNorm.add_forward)
+  layer: (hidden, residual) -> (hidden, residual):
+    residual += hidden; x = norm(residual)          one fused add + norm (RMSNorm.add_forward)
+    residual += o_proj(attend(rope(q), rope(k) -> pool, v -> pool)); x = norm(residual)
+    hidden = down(silu(gate(x)) * up(x))            added by the next layer's (or final) norm
 
 The model holds no state between calls: K/V live in the pool, everything else in the batch.
 """
 
 from __future__ import annotations
 
-from typing import cast
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,7 @@ from radixlm.cache.kv_pool import KVPool
 from radixlm.model import native, packed_linear
 from radixlm.model.arch import ArchConfig
 from radixlm.model.attention import AttentionPlan, attend
+from radixlm.model.backend import PYTORCH, Backend
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
@@ -44,13 +47,12 @@ class Linear(nn.Module):
     """y = x W^T (+ b), W (out, in), allocated uninitialized (the loader fills it).
 
     After `pack`, W is held in oneDNN's layout, and (with the native kernels) also in the skinny
-    kernel's, which every batch then goes through: decode batches stream it ~1.4x faster than
-    oneDNN, prefill chunks match oneDNN from 512 rows and beat it by 1.1-1.3x at 32-128. The
-    oneDNN copy serves the PyTorch path (native kernels off): memory for speed and comparisons,
-    a second copy of the weights."""
+    kernel's, which the rows `Kernels.runs_linear` picks then go through (decode batches stream
+    it faster than oneDNN multiplies it). The oneDNN copy serves the PyTorch path and the rows
+    the kernels leave to oneDNN: a second copy of the weights, memory for speed."""
 
     skinny: torch.Tensor | None = None  # W for native.Kernels.skinny_linear
-    skinny_kernels: native.Kernels | None = None  # set while the model uses the native kernels
+    skinny_kernels: native.Kernels | None = None  # the model's backend's (CausalLM.use_kernels)
 
     def __init__(
         self,
@@ -85,10 +87,9 @@ class Linear(nn.Module):
     ) -> None:
         """Hold the weight in oneDNN's blocked layout (see packed_linear); unties a tied one.
         With `kernels`, also keep it in the skinny kernel's layout (in `arena` if given), which
-        forward then uses."""
+        forward uses once the model's backend has those kernels."""
         if kernels is not None:
             self.skinny = native.pack_skinny(self.weight, arena)
-            self.skinny_kernels = kernels if self.skinny is not None else None
         self.weight = nn.Parameter(packed_linear.pack_weight(self.weight), False)
 
 
@@ -115,7 +116,7 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor:
         """h += delta in place (the residual stream; no add when delta is None), then the norm
         of h: one native call where the kernels are built, else PyTorch's ops."""
-        if kernels is not None and h.dtype in native.KV_DTYPES and h.device.type == "cpu":
+        if kernels is not None:
             return kernels.add_rms_norm(h, delta, self.weight, self.eps)
         if delta is not None:
             h += delta
@@ -123,9 +124,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ArchConfig, dtype: torch.dtype):
+    def __init__(self, config: ArchConfig, layer_id: int, dtype: torch.dtype):
         super().__init__()
         c = config
+        self.layer_id = layer_id  # which of the pool's layers holds this layer's K/V
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.split_sizes = [c.q_size, c.kv_size, c.kv_size]
         self.qkv_proj = Linear(c.hidden_size, c.q_size + 2 * c.kv_size, c.qkv_bias, dtype)
@@ -133,39 +135,28 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        out_slots: torch.Tensor,
-        kv: tuple[torch.Tensor, torch.Tensor],
-        plan: AttentionPlan,
-        rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """K/V of every token of x into the pool; the attention output (T, hidden), or with
-        `rows` (native kernels only) that of those rows, (R, hidden), `plan` being theirs
-        (AttentionPlan.last_rows)."""
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """x (T, hidden), normed -> the attention output (T, hidden); the K/V of every token
+        of x go into this layer's pool slots first."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
-        k_cache, v_cache = kv
-        if plan.kernels is not None and self.q_norm is None:
+        k_cache, v_cache = ctx.pool.k_cache(self.layer_id), ctx.pool.v_cache(self.layer_id)
+        kernels = ctx.backend.kernels
+        if kernels is not None and self.q_norm is None:
             # rope on q and k, and the K/V write into the pool, in one native call (float32
             # cos/sin: see CausalLM.forward)
-            q = plan.kernels.rope_store(qkv, rope, out_slots, k_cache, v_cache, self.num_heads)
-            if rows is not None:
-                q = q.index_select(0, rows)
-            return self.o_proj(attend(q, None, None, k_cache, v_cache, plan))
-        assert rows is None  # see CausalLM._row_plan
+            q = kernels.rope_store(qkv, ctx.rope, ctx.out_slots, k_cache, v_cache, self.num_heads)
+            return self.o_proj(attend(q, None, None, k_cache, v_cache, ctx.plan))
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, heads, D)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, kv_heads, D)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, kv_heads, D)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        k_cache.index_copy_(0, out_slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, out_slots, v.to(v_cache.dtype))
-        return self.o_proj(attend(q, k, v, k_cache, v_cache, plan))
+        q, k = apply_rope(q, *ctx.rope), apply_rope(k, *ctx.rope)
+        k_cache.index_copy_(0, ctx.out_slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, ctx.out_slots, v.to(v_cache.dtype))
+        return self.o_proj(attend(q, k, v, k_cache, v_cache, ctx.plan))
 
 
 class MLP(nn.Module):
@@ -178,43 +169,35 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, kernels: native.Kernels | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if kernels is not None and gate_up.dtype in native.KV_DTYPES and gate_up.is_contiguous():
+        if kernels is not None and gate_up.is_contiguous():
             return self.down_proj(kernels.silu_mul(gate_up))  # one native call
         gate, up = gate_up.split(self.split_sizes, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ArchConfig, dtype: torch.dtype):
+    def __init__(self, config: ArchConfig, layer_id: int, dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, dtype)
+        self.self_attn = Attention(config, layer_id, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        h: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        out_slots: torch.Tensor,
-        kv: tuple[torch.Tensor, torch.Tensor],
-        plan: AttentionPlan,
-        next_norm: RMSNorm,
-        rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """x = input_layernorm(h), already applied; h, the residual stream, is updated in
-        place. Returns next_norm(h): the next layer's input norm, or the final norm.
-
-        With `rows` (the last layer of a prefill chunk: only the rows whose logits are wanted
-        go on; native kernels only, `plan` for those rows): every new token's K and V still go
-        to the pool, the rest runs on the rows alone; returns next_norm(h)[rows] (R, hidden)
-        and leaves h as it was."""
-        attn = self.self_attn(x, rope, out_slots, kv, plan, rows)
-        if rows is not None:
-            h = h.index_select(0, rows)
-        x = self.post_attention_layernorm.add_forward(h, attn, plan.kernels)
-        return next_norm.add_forward(h, self.mlp(x, plan.kernels), plan.kernels)
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) -> (hidden, residual), each (T, hidden). The incoming hidden (the
+        previous layer's MLP output) is added to the residual stream by the fused add + norm
+        that opens this layer; the first layer gets the embeddings as hidden and no residual
+        yet. The residual stream is updated in place."""
+        kernels = ctx.backend.kernels
+        if residual is None:
+            residual = hidden
+            x = self.input_layernorm.add_forward(residual, None, kernels)
+        else:
+            x = self.input_layernorm.add_forward(residual, hidden, kernels)
+        x = self.post_attention_layernorm.add_forward(residual, self.self_attn(x, ctx), kernels)
+        return self.mlp(x, kernels), residual
 
 
 class Decoder(nn.Module):
@@ -223,79 +206,30 @@ class Decoder(nn.Module):
     def __init__(self, config: ArchConfig, dtype: torch.dtype):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, dtype) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
-class FusedDecode:
-    """A pure decode step's layer loop as one native call (csrc/decode_step.c): the same kernels
-    in the same order as the Python loop, so the same bits, without ~270 calls' worth of module,
-    ctypes and tensor glue per step. Built for models it can run: no biases or q/k norms, and
-    every projection packed for the skinny kernel in the model's dtype. It holds the weights'
-    addresses: CausalLM drops it when weights are packed or the kernels switched (the pool's
-    addresses come from the pool at every call)."""
+@dataclass(frozen=True)
+class ForwardContext:
+    """What every layer of one forward reads besides its hidden states, built once per forward."""
 
-    def __init__(self, model: CausalLM, kernels: native.Kernels):
-        c = model.config
-        self.kernels = kernels
-        self.shape = native.DecoderShape(
-            c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-            c.intermediate_size, c.rms_norm_eps,
-        )  # fmt: skip
-        self.final_norm = model.model.norm.weight
-        rows = []  # per layer, the 6 weight addresses in decode_step.c's column order
-        for layer in cast(list[DecoderLayer], list(model.model.layers)):
-            a, mlp = layer.self_attn, layer.mlp
-            packed = [p.skinny for p in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            assert all(w is not None for w in packed)  # see `applies`
-            qkv, o, gate_up, down = cast(list[torch.Tensor], packed)
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            rows.append([t.data_ptr() for t in (norms[0], qkv, o, norms[1], gate_up, down)])
-        self.weights = torch.tensor(rows, dtype=torch.int64)  # (num_layers, 6)
-
-    @staticmethod
-    def applies(model: CausalLM) -> bool:
-        c = model.config
-        dtype = model.model.embed_tokens.weight.dtype
-        if c.qk_norm or c.qkv_bias or c.o_bias or c.mlp_bias or dtype not in native.KV_DTYPES:
-            return False
-        for layer in cast(list[DecoderLayer], list(model.model.layers)):
-            a, mlp = layer.self_attn, layer.mlp
-            for linear in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                if linear.skinny is None or linear.skinny.dtype != dtype:
-                    return False
-        return True
-
-    def run(
-        self,
-        h: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        out_slots: torch.Tensor,
-        layout: native.DecodeLayout,
-        pool: KVPool,
-    ) -> torch.Tensor:
-        """h (B, hidden) embeddings -> the final norm's output (B, hidden); h ends as the
-        residual stream, as after the Python loop."""
-        return self.kernels.decode_layers(
-            h, self.weights, pool.layer_addresses(), pool.kv_strides(), self.final_norm,
-            self.shape, rope, out_slots, pool.dtype, layout,
-        )  # fmt: skip
+    backend: Backend
+    plan: AttentionPlan
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sign-folded sin, each (T, 1, head_dim)
+    out_slots: torch.Tensor  # (T,) where the new tokens' K/V go
+    pool: KVPool
 
 
 class CausalLM(nn.Module):
     """Decoder + LM head. `forward(batch, pool)` -> (R, vocab) float32 logits of batch rows.
 
-    `native_kernels`: use the native kernels (native.py) where they apply (a float32 or
-    bfloat16 pool on CPU) and could be built: attention, rope + K/V store, add + norm, SiLU, and
-    decode-sized matmuls; False keeps every step on PyTorch ops and oneDNN (for comparisons).
-    With them, a pure decode step runs its layer loop in C (FusedDecode; `fuse_decode` False
-    keeps it in Python, the same kernels one module at a time)."""
+    `backend` is chosen at load (`use_kernels`, after `pack_weights`): the native kernels where
+    they apply, or the PyTorch reference path; see backend.py for which path runs when."""
 
     inv_freq: torch.Tensor  # (head_dim / 2,) rope frequencies, a buffer
-    _native_kernels: bool = True
-    fuse_decode: bool = True  # pure decode steps through FusedDecode where it applies
-    trim_last_layer: bool = True  # prefill chunks: the last layer on the logits rows only
-    _fused: FusedDecode | bool | None = False  # False: not built yet; None: does not apply
 
     def __init__(self, config: ArchConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -306,27 +240,32 @@ class CausalLM(nn.Module):
         self.register_buffer(
             "inv_freq", inverse_frequencies(config.rope, config.head_dim), persistent=False
         )
+        self.backend = PYTORCH
+
+    def use_kernels(self, kernels: native.Kernels | None) -> Backend:
+        """Choose the backend: these native kernels where they apply (Backend.choose), else
+        (or with None) the PyTorch path. Called at load; again only to compare paths."""
+        self.backend = Backend.choose(self, kernels)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.skinny_kernels = None if module.skinny is None else self.backend.kernels
+        return self.backend
 
     @property
     def native_kernels(self) -> bool:
-        return self._native_kernels
+        """Whether the native kernels run; setting it chooses the backend again."""
+        return self.backend.kernels is not None
 
     @native_kernels.setter
     def native_kernels(self, on: bool) -> None:
-        self._native_kernels = on
-        self._fused = False
-        kernels = native.kernels() if on else None
-        for module in self.modules():
-            if isinstance(module, Linear) and module.skinny is not None:
-                module.skinny_kernels = kernels
+        self.use_kernels(native.kernels() if on else None)
 
-    def pack_weights(self) -> bool:
-        """Pack every Linear for oneDNN when the device and dtype allow (and for the skinny
-        kernel, with the native kernels); True if packed."""
+    def pack_weights(self, kernels: native.Kernels | None) -> bool:
+        """Pack every Linear for oneDNN when the device and dtype allow (and, with `kernels`,
+        for the skinny kernel too), then choose the backend for them; True if packed."""
         weight = self.model.embed_tokens.weight
         if not packed_linear.can_pack(weight.device, weight.dtype):
             return False
-        kernels = native.kernels() if self.native_kernels else None
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         arena = None
         if kernels is not None:  # every skinny weight in one huge-page allocation: streamed
@@ -338,80 +277,33 @@ class CausalLM(nn.Module):
             arena = hugepages.Arena(sum(sizes))
         for module in linears:
             module.pack(kernels, arena)
-        self._fused = False
+        self.use_kernels(kernels)  # a fused decode step holds the packed weights' addresses
         return True
-
-    def fused_decode(self) -> FusedDecode | None:
-        """The native decode step (FusedDecode), when this model's weights allow it."""
-        if not self.fuse_decode:
-            return None
-        if self._fused is False:
-            kernels = native.kernels() if self.native_kernels else None
-            ok = kernels is not None and FusedDecode.applies(self)
-            self._fused = FusedDecode(self, kernels) if kernels is not None and ok else None
-        return self._fused if isinstance(self._fused, FusedDecode) else None
 
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         self._check_fits(batch, pool)
         c = self.config
+        backend = self.backend.for_pool(pool)
+        kernels = backend.kernels
         h = self.model.embed_tokens(batch.input_ids)  # (T, hidden)
-        kernels = None
-        if self.native_kernels and h.device.type == "cpu" and pool.dtype in native.KV_DTYPES:
-            kernels = native.kernels()
         plan = AttentionPlan.build(batch, c.num_kv_heads, c.head_dim, pool.dtype, kernels)
         # the native rope_store computes in float32 whatever the model's dtype
-        rope_dtype = torch.float32 if plan.kernels is not None and not c.qk_norm else h.dtype
+        rope_dtype = torch.float32 if kernels is not None and not c.qk_norm else h.dtype
         rope = rope_cos_sin(batch.positions, self.inv_freq, rope_dtype)
-        fused = self.fused_decode() if plan.kernels is not None else None
-        group = plan.decode
-        if (
-            fused is not None
-            and group is not None
-            and group.token_rows is None  # a pure decode step
-            and group.layout is not None
-        ):
-            x = fused.run(h, rope, batch.out_slots, group.layout, pool)
+        if backend.fused is not None and batch.is_pure_decode and plan.decode is not None:
+            layout = plan.decode.layout
+            assert layout is not None  # built for the native kernels
+            x = backend.fused.run(h, rope, batch.out_slots, layout, pool)
         else:
-            x = self._layers(h, rope, batch, pool, plan)
-        if x.shape[0] != batch.logits_indices.numel():  # not trimmed to the logits rows
+            ctx = ForwardContext(backend, plan, rope, batch.out_slots, pool)
+            hidden, residual = h, None
+            for layer in self.model.layers:
+                hidden, residual = layer(hidden, residual, ctx)
+            assert residual is not None  # a model has layers
+            x = self.model.norm.add_forward(residual, hidden, kernels)
+        if x.shape[0] != batch.logits_indices.numel():  # not every row's logits are wanted
             x = x.index_select(0, batch.logits_indices)  # (R, hidden), normed
         return self.lm_head(x).float()  # (R, vocab)
-
-    def _layers(
-        self,
-        h: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        batch: ForwardBatch,
-        pool: KVPool,
-        plan: AttentionPlan,
-    ) -> torch.Tensor:
-        """The decoder layers, one module at a time: h (T, hidden) embeddings -> final norm,
-        (T, hidden), or (R, hidden) for the logits rows when the last layer was trimmed."""
-        layers = cast(list[DecoderLayer], list(self.model.layers))
-        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
-        row_plan = self._row_plan(batch, plan)
-        x = layers[0].input_layernorm.add_forward(h, None, plan.kernels)
-        for i, (layer, next_norm) in enumerate(zip(layers, next_norms)):
-            kv = (pool.k_cache(i), pool.v_cache(i))
-            if row_plan is not None and i == len(layers) - 1:
-                rows = batch.logits_indices
-                return layer(x, h, rope, batch.out_slots, kv, row_plan, next_norm, rows)
-            x = layer(x, h, rope, batch.out_slots, kv, plan, next_norm)
-        return x
-
-    def _row_plan(self, batch: ForwardBatch, plan: AttentionPlan) -> AttentionPlan | None:
-        """Trimming the last layer: after its K/V, only the rows whose logits are wanted matter,
-        one per request in a prefill chunk of T tokens, so its attention output, o_proj, MLP and
-        norm run on R rows instead of T (3% of a 512-token chunk's work on the default model).
-        The attention plan for those rows, or None where it does not apply: every row wanted
-        (decode, or all logits), `trim_last_layer` off, or no native kernels (or q/k norms,
-        which their rope_store does not do)."""
-        rows = batch.logits_indices.numel()
-        if not self.trim_last_layer or plan.kernels is None or self.config.qk_norm:
-            return None
-        if rows != batch.batch_size or rows == batch.num_tokens:
-            return None
-        return plan.last_rows(batch)
 
     def _check_fits(self, batch: ForwardBatch, pool: KVPool) -> None:
         c = self.config

@@ -1,0 +1,113 @@
+"""Which kernels a model runs: chosen once when the model is loaded, then passed down.
+
+`Backend.choose(model, kernels)` decides it from the model (device, dtype, head size, biases,
+how its weights are packed) and the process's native kernels (native.kernels(): the CPU's
+variant, or None with RADIXLM_NATIVE=0 or no compiler). Three forward paths follow from it:
+
+    native fused decode   a pure decode step's whole layer loop in one C call (FusedDecode)
+    native extend         any other step: one module at a time, the native kernels inside
+                          (attention, rope + K/V store, add + norm, SiLU, skinny matmuls)
+    PyTorch reference     Backend() (no kernels): PyTorch ops, oneDNN matmuls, SDPA
+
+Nothing in a forward re-derives this from flags; the one question a forward still asks is
+whether its pool holds K/V the kernels read (`for_pool`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from radixlm.cache.kv_pool import KVPool
+from radixlm.model import native
+
+if TYPE_CHECKING:
+    from radixlm.model.transformer import CausalLM, DecoderLayer
+
+
+class FusedDecode:
+    """A pure decode step's layer loop as one native call (csrc/decode_step.c): the same kernels
+    in the same order as the Python loop, so the same bits, without ~270 calls' worth of module,
+    ctypes and tensor glue per step. Built for models it can run: no biases or q/k norms, and
+    every projection packed for the skinny kernel in the model's dtype. It holds the weights'
+    addresses, so it is built after packing (the pool's addresses come with every call)."""
+
+    def __init__(self, model: CausalLM, kernels: native.Kernels):
+        c = model.config
+        self.kernels = kernels
+        self.shape = native.DecoderShape(
+            c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+            c.intermediate_size, c.rms_norm_eps,
+        )  # fmt: skip
+        self.final_norm = model.model.norm.weight
+        rows = []  # per layer, the 6 weight addresses in decode_step.c's column order
+        for layer in cast("list[DecoderLayer]", list(model.model.layers)):
+            a, mlp = layer.self_attn, layer.mlp
+            packed = [p.skinny for p in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            assert all(w is not None for w in packed)  # see `applies`
+            qkv, o, gate_up, down = cast(list[torch.Tensor], packed)
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            rows.append([t.data_ptr() for t in (norms[0], qkv, o, norms[1], gate_up, down)])
+        self.weights = torch.tensor(rows, dtype=torch.int64)  # (num_layers, 6)
+
+    @staticmethod
+    def applies(model: CausalLM) -> bool:
+        c = model.config
+        dtype = model.model.embed_tokens.weight.dtype
+        if c.qk_norm or c.qkv_bias or c.o_bias or c.mlp_bias or dtype not in native.KV_DTYPES:
+            return False
+        for layer in cast("list[DecoderLayer]", list(model.model.layers)):
+            a, mlp = layer.self_attn, layer.mlp
+            for linear in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                if linear.skinny is None or linear.skinny.dtype != dtype:
+                    return False
+        return True
+
+    def run(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        out_slots: torch.Tensor,
+        layout: native.DecodeLayout,
+        pool: KVPool,
+    ) -> torch.Tensor:
+        """h (B, hidden) embeddings -> the final norm's output (B, hidden); h ends as the
+        residual stream, as after the Python loop."""
+        return self.kernels.decode_layers(
+            h, self.weights, pool.layer_addresses(), pool.kv_strides(), self.final_norm,
+            self.shape, rope, out_slots, pool.dtype, layout,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The kernels one model runs. `Backend()` is the PyTorch reference path."""
+
+    kernels: native.Kernels | None = None  # the native kernels, or None: PyTorch ops
+    fused: FusedDecode | None = None  # pure decode steps in one native call, where it applies
+
+    @classmethod
+    def choose(cls, model: CausalLM, kernels: native.Kernels | None) -> Backend:
+        """The native kernels for a float32 or bfloat16 model on CPU whose head size they take
+        (a multiple of 16, at most MAX_HEAD_DIM: whole vectors); else the PyTorch path."""
+        c = model.config
+        weight = model.model.embed_tokens.weight
+        if (
+            kernels is None
+            or weight.device.type != "cpu"
+            or weight.dtype not in native.KV_DTYPES
+            or c.head_dim % 16 != 0
+            or c.head_dim > native.MAX_HEAD_DIM
+        ):
+            return cls()
+        return cls(kernels, FusedDecode(model, kernels) if FusedDecode.applies(model) else None)
+
+    def for_pool(self, pool: KVPool) -> Backend:
+        """This backend for a forward over `pool`: the PyTorch path where the kernels cannot
+        read its K/V (a float16 pool)."""
+        return self if pool.dtype in native.KV_DTYPES else PYTORCH
+
+
+PYTORCH = Backend()
