@@ -11,11 +11,12 @@ threads (cache/l2_pages.py), and reads pages back when a match continues into L2
     L1 match |=========== 100 ====|                          L2 continuation: pages 1, 2
     loaded                        |==== 100..192 ====|       -> new slots, then tree-owned
 
-`match` walks the tree once (`match_tiers`), allocates slots for the continuation, reads its
-pages in parallel and scatters their KV into the slots; the loaded nodes join L1. A page that
-fails its key or checksum ends the load there and is forgotten with everything below it; a read
-slower than `read_timeout_s` ends it too (the page stays): the rest is recomputed, never loaded
-wrong.
+A match walks the tree once (`match_tiers`), allocates slots for the continuation, reads its
+pages in parallel and copies their KV into the slots as each is verified; the loaded nodes join
+L1. `match` waits for the reads; `match_or_load` leaves them running and the scheduler admits
+the request when they are done (cache/l2_loads.py). A page that fails its key or checksum ends
+the load there and is forgotten with everything below it; a read slower than `read_timeout_s`
+ends it too (the page stays): the rest is recomputed, never loaded wrong.
 
 Accounting: slots as RadixCache (free + tree + in flight == capacity); pages: free pages +
 pages held by nodes == num_pages (check_integrity checks both).

@@ -26,11 +26,11 @@ the unpinned nodes with pages and no child with pages; the page counter is the p
 
 from __future__ import annotations
 
-import heapq
 from typing import NamedTuple, Protocol
 
 import numpy as np
 
+from radixlm.cache.eviction import L2Order
 from radixlm.cache.radix_tree import MatchResult, RadixTree
 from radixlm.cache.tree_node import NO_SLOTS, TOKEN_BYTES, Namespace, TokenIds, TreeNode
 
@@ -325,41 +325,3 @@ class TieredTree(RadixTree):
         from radixlm.cache.integrity import check_l2
 
         check_l2(self)
-
-
-class L2Order:
-    """Nodes that L2 may evict, least recently used first (a lazy min-heap on last_access,
-    which never decreases). A node is a member iff `l2_seq != 0`."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, int, TreeNode]] = []
-        self._next_seq = 0
-        self.num_members = 0
-
-    def add(self, node: TreeNode) -> None:
-        self._next_seq += 1
-        node.l2_seq = self._next_seq
-        heapq.heappush(self._heap, (node.last_access, self._next_seq, node))
-        self.num_members += 1
-        if len(self._heap) > 2 * self.num_members + 1024:  # drop stale entries in bulk
-            live = [(n.last_access, s, n) for _, s, n in self._heap if n.l2_seq == s]
-            heapq.heapify(live)
-            self._heap = live
-
-    def discard(self, node: TreeNode) -> None:
-        node.l2_seq = 0
-        self.num_members -= 1
-
-    def pop(self) -> TreeNode:
-        while True:
-            tick, seq, node = heapq.heappop(self._heap)
-            if node.l2_seq != seq:
-                continue
-            if node.last_access != tick:
-                heapq.heappush(self._heap, (node.last_access, seq, node))
-                continue
-            self.discard(node)
-            return node
-
-    def members(self) -> list[TreeNode]:
-        return [n for _, s, n in self._heap if n.l2_seq == s]
