@@ -13,6 +13,9 @@ CacheKind = Literal["radix", "none"]
 Eviction = Literal["lru", "turn-credit", "gdsf"]
 Policy = Literal["lpm", "fcfs"]
 DType = Literal["float32", "bfloat16", "float16"]
+# "auto": the dtype this machine runs fastest, chosen when the model loads (ModelRunner):
+# bfloat16 where the native kernels have bfloat16 dot products (AVX512-BF16), else float32.
+ModelDType = Literal["auto", "float32", "bfloat16", "float16"]
 CachedTokensReport = Literal["exact", "page", "none"]
 
 
@@ -21,13 +24,15 @@ class ModelConfig:
     """Which model to load and where it runs. `path` None means the default model."""
 
     path: str | None = None
-    dtype: DType = "float32"
+    dtype: ModelDType = "auto"
     device: str = "cpu"
     num_threads: int | None = None  # torch intra-op threads; None = the cores available
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -32,7 +32,7 @@ def new_engine(
 ) -> Engine:
     """An Engine on the model at `model_dir`; `scheduler` holds SchedulerConfig fields."""
     return Engine(
-        ModelConfig(path=str(model_dir), num_threads=1),
+        ModelConfig(path=str(model_dir), dtype="float32", num_threads=1),
         CacheConfig(num_slots=num_slots, page_size=page_size, cache=cache),  # type: ignore[arg-type]
         SchedulerConfig(**scheduler),
     )

@@ -132,7 +132,7 @@ def live_server(
     `api_key`, which is the one key the LiveServer's requests carry)."""
     async_engine = AsyncEngine(
         lambda: Engine(
-            ModelConfig(path=str(model_path), num_threads=1),
+            ModelConfig(path=str(model_path), dtype="float32", num_threads=1),
             cache or CacheConfig(num_slots=8192),
             scheduler or SchedulerConfig(max_running_requests=16, max_batch_tokens=1024),
         )

@@ -74,7 +74,7 @@ def test_loading_reports_progress_per_stage(model: Path) -> None:
 
     seen: dict[str, tuple[int, int]] = {}
     Engine(
-        ModelConfig(path=str(model), num_threads=1),
+        ModelConfig(path=str(model), dtype="float32", num_threads=1),
         CacheConfig(num_slots=256),
         progress=lambda stage, done, total: seen.__setitem__(stage, (done, total)),
     )

@@ -35,7 +35,7 @@ def engine(
     model_dir: Path, cache: str = "radix", l2_dir: Path | None = None, l2_capacity: int = 4096
 ) -> Engine:
     return Engine(
-        ModelConfig(path=str(model_dir), num_threads=1),
+        ModelConfig(path=str(model_dir), dtype="float32", num_threads=1),
         CacheConfig(
             num_slots=NUM_SLOTS,
             cache=cache,  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
     path: Path = tmp_path_factory.mktemp("llm-model")
     save_tiny_model("qwen2-gqa-tied", path, max_position_embeddings=512)
-    return LLM(str(path), num_slots=2048, num_threads=1)
+    return LLM(str(path), dtype="float32", num_slots=2048, num_threads=1)
 
 
 def test_text_ids_and_chat_prompts(llm: LLM) -> None:

@@ -27,7 +27,8 @@ _FLAGS = {"path": "model", "cache": "cache"}
 
 _HELP = {
     "path": "a GGUF file or a Hugging Face model directory (default: SmolLM2-135M-Instruct)",
-    "dtype": "weights and activations",
+    "dtype": "weights and activations; auto: bfloat16 where the CPU has AVX512-BF16 dot "
+    "products, else float32 (docs/kernels.md)",
     "device": "cpu or cuda[:N]",
     "num_threads": "torch threads (default: the cores available)",
     "num_slots": "KV slots (tokens) in the pool",

@@ -15,7 +15,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
-from radixlm.config import CacheConfig, CacheKind, DType, ModelConfig, Policy, SchedulerConfig
+from radixlm.config import (
+    CacheConfig,
+    CacheKind,
+    ModelConfig,
+    ModelDType,
+    Policy,
+    SchedulerConfig,
+)
 from radixlm.engine.engine import Engine
 from radixlm.engine.request import request_output
 from radixlm.request import RequestOutput, SamplingParams
@@ -28,7 +35,7 @@ class LLM:
         self,
         model: str | None = None,
         *,
-        dtype: DType = "float32",
+        dtype: ModelDType = "auto",
         device: str = "cpu",
         num_threads: int | None = None,
         cache: CacheKind = "radix",

@@ -6,15 +6,19 @@ pool's slot ids, the runner's model reads and writes the K/V rows behind them.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from radixlm.cache.kv_pool import KVPool
-from radixlm.config import CacheConfig, ModelConfig
+from radixlm.config import CacheConfig, DType, ModelConfig
+from radixlm.model.backend import default_dtype
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.loader import LoadProgress, load_model
 from radixlm.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,14 +33,21 @@ class ModelRunner:
         torch.set_num_threads(model_config.num_threads or _available_cores())
         if model_config.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {model_config.device!r} asked for, but CUDA is not available")
-        loaded = load_model(
-            model_config.path, model_config.dtype, model_config.device, progress=progress
+        # "auto" becomes what this CPU runs fastest (backend.default_dtype)
+        dtype: DType = (
+            default_dtype(model_config.device)
+            if model_config.dtype == "auto"
+            else model_config.dtype
         )
+        self.dtype = dtype
+        if model_config.dtype == "auto":
+            log.info("dtype auto: %s on this CPU", dtype)
+        loaded = load_model(model_config.path, dtype, model_config.device, progress=progress)
         self.model = loaded.model
         self.arch = loaded.config
         self.tokenizer = Tokenizer(loaded.tokenizer, extra_eos_token_ids=self.arch.eos_token_ids)
         self.device = torch.device(model_config.device)
-        kv_dtype = _DTYPES[cache_config.kv_dtype or model_config.dtype]
+        kv_dtype = _DTYPES[cache_config.kv_dtype or dtype]
         if progress is not None:
             progress("KV pool", 0, 1)
         self.pool = KVPool(
