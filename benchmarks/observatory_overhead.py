@@ -14,8 +14,10 @@ server process's CPU time per run (user + system, from /proc), paired the same w
 host the CPU a run used moves far less with the load than its wall time does. The server's own
 counter (`radixlm_cache_reports_total`) checks that "on" explained every request, "off" none.
 
-Also timed here, in this process: the costs every request pays (`PromptIndex.record`, the salt
-check's index) and a report pays (`others` lookup) on a 2,048-token prompt.
+Also timed here, in this process (`--components-only` refreshes just these in an existing
+JSON): what every request pays (`PromptIndex.record`, the salt check's index) and a report's
+index lookup, on a 2,048-token prompt; and the whole work of one report (probe, chat segments,
+explanation) on a gsp prompt whose sibling is cached, with the default model's tokenizer.
 """
 
 from __future__ import annotations
@@ -55,7 +57,17 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-threads", type=int, default=None, help="the server's threads")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--components-only", action="store_true", help="refresh components")
     args = parser.parse_args()
+    if args.components_only:
+        if not args.json:
+            raise SystemExit("--components-only updates the file named by --json")
+        path = Path(args.json)
+        old = json.loads(path.read_text())
+        old["components"] = component_costs()
+        path.write_text(json.dumps(old, indent=1) + "\n")
+        print("components:", json.dumps(old["components"]))
+        return
     result: dict[str, Any] = {
         "command": "python benchmarks/observatory_overhead.py " + " ".join(sys.argv[1:]),
         "host": describe_host(),
@@ -181,8 +193,42 @@ def component_costs() -> dict[str, float]:
     n = 2000
     record = timeit.timeit(lambda: index.record(prompts[7], "tenant-7"), number=n) / n
     others = timeit.timeit(lambda: index.others(prompts[7], "tenant-0"), number=n) / n
+    prompt_len, report = report_cost()
     return {"prompt_len": 2048, "record_us": round(record * 1e6, 1),
-            "others_us": round(others * 1e6, 1)}  # fmt: skip
+            "others_us": round(others * 1e6, 1), "report_prompt_len": prompt_len,
+            "report_ms": round(report * 1e3, 2)}  # fmt: skip
+
+
+def report_cost() -> tuple[int, float]:
+    """(prompt tokens, seconds) of one report's work, median of 30: a gsp-shaped chat (a
+    256-word system prompt, a 32-word question) against a tree holding its sibling."""
+    import numpy as np
+
+    from radixlm.bench.online_prompts import render_words
+    from radixlm.model.loader import default_model_path
+    from radixlm.observatory.explain import explain
+    from radixlm.observatory.probe import probe_tree
+    from radixlm.observatory.replay import PromptReplay
+    from radixlm.observatory.segments import chat_segments
+    from radixlm.tokenizer import Tokenizer
+
+    rng = np.random.default_rng(0)
+    system = render_words(rng.integers(0, 10_000, 256).tolist())
+    bodies = [[{"role": "system", "content": system},
+               {"role": "user", "content": render_words(rng.integers(0, 10_000, 32).tolist())}]
+              for _ in range(2)]  # fmt: skip
+    replay = PromptReplay(Tokenizer.from_pretrained(default_model_path()))
+    replay.request({"messages": bodies[0], "response": "A short answer."})
+    ids = replay.renderer.prompt_ids(bodies[1], [], None)
+
+    def one() -> None:
+        segments = chat_segments(replay.renderer, bodies[1], ())
+        others = replay.prompts.others(ids, None)
+        probe = probe_tree(replay.tree, ids, None, replay.evictions, others)
+        explain(probe, ids, replay.decode, segments)
+
+    times = [timeit.timeit(one, number=1) for _ in range(30)]
+    return len(ids), statistics.median(times)
 
 
 class serve:
