@@ -12,6 +12,9 @@ transformers through the whole decoder.
 from __future__ import annotations
 
 import logging
+import re
+import shutil
+import subprocess
 import threading
 
 import pytest
@@ -531,3 +534,33 @@ def test_loading_the_kernels_leaves_denormals_alone() -> None:
     worker.start()
     worker.join()
     assert seen[0] > 0
+
+
+# What a build may not contain, so that it runs on a CPU with only its own features: an
+# AVX-512 host executes any of them, so only the instructions themselves can show that the
+# avx2 build would run on an AVX2-only CPU. Registers zmm, k0-7 and xmm/ymm16-31 exist only
+# under AVX-512 (EVEX encoding), as do these mnemonics; the generic build has no VEX at all
+# (no mnemonic starting with v, no ymm).
+_AVX512_ONLY = re.compile(
+    r"%zmm|%k[0-7]\b|%[xy]mm(1[6-9]|2[0-9]|3[01])\b|^(vpternlog|vscalef|vrndscale|vdpbf16|"
+    r"vcvtne2ps2bf16|vpermt2|vpcompress|kmov)"
+)
+_FORBIDDEN = {"avx2": _AVX512_ONLY, "generic": re.compile(r"%[yz]mm|^v")}
+
+
+@pytest.mark.parametrize("isa", [i for i in ISAS if i in _FORBIDDEN])
+def test_a_build_holds_no_instruction_above_its_set(isa: str) -> None:
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump (binutils) to disassemble the library")
+    require_native_kernels(isa)
+    path = native_build.find_library(native_build.VARIANTS[isa])
+    assert path is not None
+    listing = subprocess.run(
+        [objdump, "-d", "--no-show-raw-insn", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    # instruction lines read "  addr:<TAB>mnemonic operands"
+    instructions = [line.split("\t", 1)[1] for line in listing.splitlines() if ":\t" in line]
+    assert len(instructions) > 1000  # really disassembled
+    offending = [ins for ins in instructions if _FORBIDDEN[isa].search(ins)]
+    assert offending == [], offending[:5]
