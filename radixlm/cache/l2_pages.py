@@ -28,10 +28,14 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from radixlm.cache.tree_node import Namespace
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # a payload: any C-contiguous buffer
 
 MAGIC = b"RLM2"
 HEADER_BYTES = 64
@@ -87,7 +91,10 @@ class L2PageFile:
             raise L2Error(f"L2 page file {path}: {reason}") from e
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
         self._lock = threading.Lock()  # guards the free list (I/O threads never touch it)
-        self._io = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="l2-io")
+        # Reads have threads of their own: a load someone waits for never queues behind the
+        # writes of the evictions that made room for it.
+        self._io = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="l2-write")
+        self._reads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="l2-read")
 
     @property
     def num_free(self) -> int:
@@ -103,11 +110,11 @@ class L2PageFile:
         with self._lock:
             self._free.append(page)
 
-    def write(self, page: int, key: bytes, payload: bytes) -> Future[None]:
+    def write(self, page: int, key: bytes, payload: Buffer) -> Future[None]:
         """Store `payload` under `key` in `page` (checksum and I/O off the calling thread). A
         failed write (disk full) raises from the future's result; the caller then frees the
         page. `payload` must not change until the future is done."""
-        if len(payload) > self.payload_bytes or len(key) != KEY_BYTES:
+        if memoryview(payload).nbytes > self.payload_bytes or len(key) != KEY_BYTES:
             raise ValueError("payload too large for a page, or a malformed key")
         return self._io.submit(self._pwrite, page, key, payload)
 
@@ -116,18 +123,24 @@ class L2PageFile:
     ) -> Future[bytearray | None]:
         """The payload of `page` if it holds `key` intact, else None (a miss). `sink`, if
         given, is called with a verified payload on the I/O thread (to copy it in place)."""
-        return self._io.submit(self._pread, page, key, sink)
+        return self._reads.submit(self._pread, page, key, sink)
 
     def close(self) -> None:
         self._io.shutdown(wait=True)
+        self._reads.shutdown(wait=True)
         os.close(self._fd)
 
-    def _pwrite(self, page: int, key: bytes, payload: bytes) -> None:
-        data = _header(key, payload) + payload
+    def _pwrite(self, page: int, key: bytes, payload: Buffer) -> None:
+        parts = [memoryview(_header(key, payload)), memoryview(payload).cast("B")]
         offset = page * self.page_bytes
-        written = os.pwrite(self._fd, data, offset)
-        while written < len(data):  # a short write continues where it stopped
-            written += os.pwrite(self._fd, data[written:], offset + written)
+        while parts:  # a short write continues where it stopped
+            written = os.pwritev(self._fd, parts, offset)
+            offset += written
+            while parts and written >= len(parts[0]):
+                written -= len(parts[0])
+                parts.pop(0)
+            if parts:
+                parts[0] = parts[0][written:]
 
     def _pread(
         self, page: int, key: bytes, sink: Callable[[bytearray], None] | None
@@ -153,13 +166,14 @@ class L2PageFile:
         return payload
 
 
-def _checksum(key: bytes, payload: bytes | bytearray) -> bytes:
+def _checksum(key: bytes, payload: Buffer) -> bytes:
     # SHA-256 runs on the CPU's SHA extensions where present: over twice blake2b's speed there
     h = hashlib.sha256(key)
     h.update(payload)
     return h.digest()[:16]
 
 
-def _header(key: bytes, payload: bytes | bytearray) -> bytes:
-    head = MAGIC + len(payload).to_bytes(4, "little") + key + _checksum(key, payload)
+def _header(key: bytes, payload: Buffer) -> bytes:
+    length = memoryview(payload).nbytes
+    head = MAGIC + length.to_bytes(4, "little") + key + _checksum(key, payload)
     return head.ljust(HEADER_BYTES, b"\0")

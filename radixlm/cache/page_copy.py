@@ -18,14 +18,15 @@ import torch
 from radixlm.cache.kv_pool import KVPool
 
 
-def gather_page(pool: KVPool, slots: np.ndarray) -> bytes:
-    """The payload of one page whose tokens' KV is in `slots`."""
+def gather_page(pool: KVPool, slots: np.ndarray) -> memoryview:
+    """The payload of one page whose tokens' KV is in `slots` (a fresh buffer, not a copy of
+    the pool: the slots may be reused at once)."""
     idx, dim = torch.from_numpy(slots), _slot_dim(pool)
     k, v = pool.k.index_select(dim, idx), pool.v.index_select(dim, idx)
     if pool.head_major:  # (L, H, n, D) -> (L, n, H, D)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
     both = torch.stack([k, v]).contiguous()  # (2, L, n, H, D)
-    return both.view(torch.uint8).numpy().tobytes()
+    return both.view(torch.uint8).numpy().reshape(-1).data
 
 
 class LoadSink:
