@@ -200,3 +200,20 @@ def test_a_request_aborted_while_its_prefix_loads_gives_everything_back(
     threading.Timer(0.2, disk.set).start()  # the abort waits for the reads it started
     tiered.abort(rid)
     assert_idle(tiered)
+
+
+def test_one_shot_requests_never_reach_the_disk(model_dir: Path, tmp_path: Path) -> None:
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 250) for _ in range(150)] for _ in range(6)]
+    tiered = engine(model_dir, l2_dir=tmp_path)
+    cache = tiered.cache
+    assert isinstance(cache, TieredRadixCache)
+    for prompt in prompts:  # 6 x 162 tokens through 400 slots: most are evicted
+        run(tiered, [prompt])
+    # a response continues its own request's turn: first turns only, so nothing is written
+    assert cache.l2_written_pages == 0 and cache.l2_rejected_tokens > 0
+    second = prompts[-1] + outputs(run(tiered, [prompts[-1]]))[0] + [7] * 20
+    run(tiered, [second])
+    m = cache.tree.match(second)
+    assert m.node.turn == 2 and m.node.parent is not None and m.node.parent.turn == 1
+    assert_idle(tiered)

@@ -210,6 +210,9 @@ class RadixCache(PrefixCache):
     def __init__(self, pool: SlotPool, page_size: int = 1, policy: str = "lru") -> None:
         super().__init__(pool)
         self.tree = RadixTree(page_size=page_size, policy=policy)
+        # id(node) -> running requests whose last commit returned it (they hold it locked, so
+        # the id cannot be reused while counted here)
+        self._heads: dict[int, int] = {}
 
     def match(self, tokens: TokenIds, namespace: Namespace = None) -> MatchResult:
         return self.tree.match(tokens, namespace)
@@ -238,7 +241,9 @@ class RadixCache(PrefixCache):
             raise ValueError(f"{node!r} does not end a prefix of `tokens` in {namespace!r}")
         held = node.depth
         cached_len = len(tokens) // tree.page_size * tree.page_size
-        inserted = tree.insert(tokens[:cached_len], slots[:cached_len], namespace)
+        # After a request's first commit, its next chunks and its output continue its turn
+        continues = node if self._drop_head(node) else None
+        inserted = tree.insert(tokens[:cached_len], slots[:cached_len], namespace, continues)
         prefix_len = inserted.prefix_len
         tree.lock(inserted.node)
         tree.unlock(node)
@@ -250,11 +255,23 @@ class RadixCache(PrefixCache):
             anchor = inserted.node if inserted.node.depth == prefix_len else inserted.node.parent
             assert anchor is not None
             slots = np.concatenate([tree.path_slots(anchor), slots[prefix_len:]])
+        key = id(inserted.node)
+        self._heads[key] = self._heads.get(key, 0) + 1
         return CommitResult(inserted.node, slots, cached_len)
 
     def release(self, node: TreeNode, in_flight_slots: np.ndarray) -> None:
+        self._drop_head(node)
         self.tree.unlock(node)
         self._free_in_flight(np.asarray(in_flight_slots, dtype=np.int64))
+
+    def _drop_head(self, node: TreeNode) -> bool:
+        """Forget one request's claim on `node` as its last commit; whether it had one."""
+        count = self._heads.get(id(node), 0)
+        if count > 1:
+            self._heads[id(node)] = count - 1
+        elif count:
+            del self._heads[id(node)]
+        return count > 0
 
     def evict(self, num_tokens: int) -> int:
         evicted = self.tree.evict(num_tokens)

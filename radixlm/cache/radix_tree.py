@@ -134,14 +134,19 @@ class RadixTree:
         return (self._inserted_tokens, self._evicted_tokens)
 
     def insert(
-        self, tokens: TokenIds, slots: np.ndarray, namespace: Namespace = None
+        self,
+        tokens: TokenIds,
+        slots: np.ndarray,
+        namespace: Namespace = None,
+        continues: TreeNode | None = None,
     ) -> InsertResult:
         """Add the whole pages of `tokens` with their `slots` (same length as `tokens`).
 
         Returns how many leading tokens were already cached: for those the tree keeps its own
         slots and the caller still owns (and must free) `slots[:prefix_len]` unless they are the
         tree's. The slots of the rest become tree-owned (a new leaf, or nodes an L2 tier held
-        without slots). Touches the path like match.
+        without slots). Touches the path like match. `continues`: the node the same request
+        inserted last; a new leaf right below it is that request's tail, not a new turn.
         """
         ids = tokens if tokens.__class__ is np.ndarray and tokens.dtype == I64 else _as_ids(tokens)
         if slots.__class__ is not np.ndarray or slots.dtype != I64:
@@ -158,7 +163,10 @@ class RadixTree:
             node, pos = self._claim_lower_tier(node, buf, pos, slots, tick)
         if pos < len(buf):
             end = len(buf) // TOKEN_BYTES
-            turn = self.turns.turn_of_tail(node, buf, pos, namespace)
+            if continues is not None and node is continues:
+                turn = node.turn  # the same request's output (or next chunk): the same turn
+            else:
+                turn = self.turns.turn_of_tail(node, buf, pos, namespace)
             node = self._add_leaf(node, buf[pos:], slots[pos // TOKEN_BYTES : end], tick, turn)
         return InsertResult(prefix_len, node)
 
