@@ -389,21 +389,28 @@ def observatory_section() -> str:
         f"`{result['command']}` ([observatory.md](observatory.md)): `radixlm serve` "
         f"({result['model']}) with every request asking for a cache report against none, chat "
         f"prompts streamed, {result['concurrency']} in flight, {result['rounds']} rounds of "
-        "interleaved runs, the cache flushed before each. On / off is paired per round; its "
-        "median, with a ~95 % interval of that median.\n",
-        "| workload | off, tok/s | on, tok/s | on / off | interval | cost |",
-        "|---|---:|---:|---:|---:|---:|",
+        "interleaved runs, the cache flushed before each. Output tok/s and the server's CPU "
+        "seconds per run, on / off paired per round: the median, with a ~95 % interval of "
+        "that median.\n",
+        "| workload | off, tok/s | on, tok/s | tok/s on / off | interval | CPU on / off "
+        "| interval |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, w in result["workloads"].items():
         lines.append(
             f"| {name} | {w['off_tok_s_median']:.1f} | {w['on_tok_s_median']:.1f} "
             f"| {w['ratio_median']:.3f} | {w['ratio_low']:.3f}-{w['ratio_high']:.3f} "
-            f"| {w['cost']:+.1%} |"
+            f"| {w['cpu_ratio_median']:.3f} | {w['cpu_ratio_low']:.3f}-{w['cpu_ratio_high']:.3f} |"
         )
     c = result["components"]
+    report = (
+        f"one report's work {c['report_ms']:.2f} ms ({c['report_prompt_len']} tokens); "
+        if "report_ms" in c
+        else ""
+    )
     lines.append(
-        f"\nEvery request also records its prompt in the salt check's index: "
-        f"{c['record_us']:.0f} µs for {c['prompt_len']:,} tokens; a report's lookup "
+        f"\nIn process: {report}the salt index's record, which every request pays, "
+        f"{c['record_us']:.0f} µs for {c['prompt_len']:,} tokens, and a report's lookup "
         f"{c['others_us']:.0f} µs. {_host_line(result.get('host'))}. {result.get('note', '')}\n"
     )
     return "\n".join(lines)
