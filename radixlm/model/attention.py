@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -143,8 +144,8 @@ def _decode_group(
 ) -> DecodeGroup:
     device = batch.input_ids.device
     slot_lists = [batch.seq_slots[i] for i in members]
-    ends = torch.tensor(batch.extend_lens, device=device).cumsum(0)
-    token_rows = ends[members] - 1  # each member's one new token
+    ends = np.cumsum(batch.extend_lens)
+    token_rows = torch.from_numpy(ends[members] - 1).to(device)  # each member's one new token
     if native:
         layout = DecodeLayout(slot_lists, find_shared_prefixes(slot_lists))
         return DecodeGroup(token_rows, layout, None, None)
