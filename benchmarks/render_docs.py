@@ -30,7 +30,11 @@ from engines import ISA_CAPS  # noqa: E402  (benchmarks/peers/engines.py)
 from radixlm.bench.host import cpu_label  # noqa: E402
 
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
-OURS = [("radixlm", "radixlm (float32, default)"), ("radixlm --dtype bfloat16", "radixlm bfloat16")]
+SPEED = ("<!-- speed:begin -->", "<!-- speed:end -->")
+OURS = [
+    ("radixlm", "radixlm float32"),
+    ("radixlm --dtype bfloat16", "radixlm bfloat16 (`--dtype auto` on AVX512-BF16)"),
+]
 PEER_LABELS = {
     "llama-server": "llama.cpp `llama-server`",
     "llama-cpp-python": "llama-cpp-python",
@@ -46,6 +50,7 @@ def main() -> int:
     args = parser.parse_args()
     readme_path, page_path = REPO / "README.md", REPO / "docs" / "benchmarks.md"
     readme = splice(readme_path.read_text(), headline_table(peers.load(RUNS)))
+    readme = splice(readme, speed_table(), *SPEED)
     page = benchmarks_page()
     pages = ((readme_path, readme), (page_path, page))
     stale = [p for p, text in pages if not p.exists() or p.read_text() != text]
@@ -98,13 +103,42 @@ def headline_table(runs: dict[tuple[str, str], Any]) -> str:
     return "\n".join(lines) + "\n\n" + caption + "\n"
 
 
-def splice(readme: str, table: str) -> str:
-    """The README with the text between the headline markers replaced by `table`."""
-    if BEGIN not in readme or END not in readme:
-        raise SystemExit(f"README.md lacks the {BEGIN} / {END} markers")
-    head, rest = readme.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{table}{END}{tail}"
+def splice(readme: str, table: str, begin: str = BEGIN, end: str = END) -> str:
+    """The README with the text between the `begin` and `end` markers replaced by `table`."""
+    if begin not in readme or end not in readme:
+        raise SystemExit(f"README.md lacks the {begin} / {end} markers")
+    head, rest = readme.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{table}{end}{tail}"
+
+
+def speed_table() -> str:
+    """One row per kernel variant and dtype from docs/bench/model_*.json: ours over
+    transformers on the same weights, prefill and decode, with the CPU each was measured on."""
+    lines = [
+        "| kernels, dtype | prefill 128 / 1024 / 4096 tokens | decode batch 1 / 8 / 32 "
+        "| CPU, threads |",
+        "|---|---|---|---|",
+    ]
+    for path in sorted(BENCH.glob("model_*.json")):
+        r = json.loads(path.read_text())
+        prefill = " / ".join(
+            f"{x['ours_tok_s'] / x['transformers_tok_s']:.1f}x" for x in r["prefill"]
+        )
+        decode = " / ".join(f"{x['transformers_ms'] / x['ours_ms']:.1f}x" for x in r["decode"])
+        threads = r.get("threads", "?")
+        cpu = f"{cpu_label(r.get('host'))}; {threads} thread{'' if threads == 1 else 's'}"
+        lines.append(
+            f"| {r.get('isa', '?')}, {r.get('dtype', '?')} | {prefill} | {decode} | {cpu} |"
+        )
+    return (
+        "\n".join(lines)
+        + "\n\nSmolLM2-135M-Instruct; how many times faster than transformers on the same weights "
+        "(`radixlm bench model`, one process, alternating rounds; decode with 1,024 tokens of "
+        "context per request). The avx2 and generic rows force the variant with `RADIXLM_ISA` "
+        "and cap PyTorch to the same instruction set. Per-row figures: "
+        "[docs/benchmarks.md](docs/benchmarks.md#model-speed-against-transformers).\n"
+    )
 
 
 # ---- docs/benchmarks.md -----------------------------------------------------------------------

@@ -98,9 +98,9 @@ ENGINES: dict[str, Engine] = {
     for e in [
         Engine("radixlm", "radixlm serve (fp32, radix cache, LPM)",
                [str(REPO_PY), "-m", "radixlm", "serve", "--host", "127.0.0.1", "--port", "8101",
-                "--num-threads", str(THREADS)], port=8101),
+                "--num-threads", str(THREADS), "--dtype", "float32"], port=8101),
         # bfloat16 weights and K/V: not the same numbers as the float32 reference, so a setting
-        # of its own, reported beside the default rather than as it
+        # of its own, reported beside the float32 one rather than as it
         Engine("radixlm --dtype bfloat16", "radixlm serve (bf16 weights and KV, radix cache, LPM)",
                [str(REPO_PY), "-m", "radixlm", "serve", "--host", "127.0.0.1", "--port", "8101",
                 "--num-threads", str(THREADS), "--dtype", "bfloat16"], port=8101),
