@@ -148,7 +148,7 @@ def _load_without_kernels(path: str, dtype: str) -> CausalLM:
             del os.environ["RADIXLM_NATIVE"]
         else:
             os.environ["RADIXLM_NATIVE"] = before
-    model.native_kernels = False
+    model.use_kernels(None)
     return model
 
 

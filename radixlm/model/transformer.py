@@ -253,12 +253,8 @@ class CausalLM(nn.Module):
 
     @property
     def native_kernels(self) -> bool:
-        """Whether the native kernels run; setting it chooses the backend again."""
+        """Whether the native kernels run (use_kernels chooses)."""
         return self.backend.kernels is not None
-
-    @native_kernels.setter
-    def native_kernels(self, on: bool) -> None:
-        self.use_kernels(native.kernels() if on else None)
 
     def pack_weights(self, kernels: native.Kernels | None) -> bool:
         """Pack every Linear for oneDNN when the device and dtype allow (and, with `kernels`,
