@@ -195,7 +195,8 @@ def avx2_section() -> str:
         "`benchmarks/peers/run.py --isa avx2` ([peers.md](peers.md)): the same runs on the same "
         "host with every engine capped to AVX2 + FMA, as on a CPU without AVX-512: "
         + " ".join(f"`{k}={v}`" for k, v in caps.items())
-        + " for radixlm, vLLM and transformers; llama-server built for AVX2 only "
+        + " (radixlm's kernel variant, PyTorch, oneDNN, MKL, and vLLM's choice of its own "
+        "kernel library: it loads `_C_AVX2`); llama-server built for AVX2 only "
         "(`install.sh llama-avx2`).\n",
     ]
     if runs:
