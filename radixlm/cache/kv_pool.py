@@ -78,8 +78,8 @@ class KVPool:
     Underneath, a CPU pool is head-major, [num_layers, num_kv_heads, num_slots, head_dim]: one
     kv head's rows of consecutive slots lie next to each other, so decode attention, which reads
     one kv head of a run of slots at a time, streams memory in order instead of taking a third
-    of every slot's row (the default model, gsp-like decode, DRAM-bound: 156 -> 128 us a layer;
-    a plain read of 2 lines in every 6 runs at 29 GB/s here, in order at 68). The views are
+    of every slot's row (DRAM serves strided lines at a fraction of its in-order rate; the
+    figures are in docs/kernels.md). The views are
     then strided (the native kernels take the strides; PyTorch's ops take any). Other devices
     keep [num_layers, num_slots, num_kv_heads, head_dim], whose views are contiguous.
     """

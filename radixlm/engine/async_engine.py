@@ -8,7 +8,7 @@ thread (submitted through a command queue), and results come back to the asyncio
 The engine is *built* on its thread too, so that every torch call of the process runs there.
 libgomp (PyTorch's OpenMP) stops its workers from spin-waiting once it manages more threads than
 there are cores, and a team created by the main thread (while loading the model) lives on; with
-one, the engine thread's parallel ops ran 1.6x slower (decode steps 50 -> 75 ms on 2 cores).
+one, the engine thread's parallel ops would run with sleeping workers, measurably slower.
 """
 
 from __future__ import annotations

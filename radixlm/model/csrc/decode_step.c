@@ -2,8 +2,8 @@
 
    A decode step of 8 tokens runs ~270 kernel calls (4 matmuls, 2 norms, rope + K/V store,
    attention and SiLU per layer): each one is microseconds of work, and from Python each also
-   pays for the module call, a ctypes call, output tensors and dtype casts. On the default model
-   that glue was ~2.9 ms of a 15.6 ms bfloat16 step. Here the layer loop runs in C, calling the
+   pays for the module call, a ctypes call, output tensors and dtype casts, a sizable share of a
+   bfloat16 step (docs/kernels.md). Here the layer loop runs in C, calling the
    same kernels in the same order with the same arguments, so the results are bit for bit those
    of the Python loop (CausalLM.forward); what goes is the glue.
 

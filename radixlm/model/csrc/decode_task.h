@@ -12,10 +12,7 @@
 
 #define CHUNK 32 /* keys per softmax update: the chunk's K/V rows stay in L1 */
 /* Shared runs of fewer query rows than this go row by row: the tile's staging of each key block
-   pays off only over enough rows (float32, 8 requests on a 1K run, one layer: 24 rows tiled
-   0.13 ms, row by row 0.17; 4 x 2 requests, 6 rows each: tiled 0.22, row by row 0.15). With
-   AVX-512's row path (attend_rows, 8 rows a pass), bfloat16 too: decode steps sampled from
-   served gsp, 2 threads, 0.157 -> 0.149 ms per layer (float32 0.278 -> 0.263). */
+   pays off only over enough rows (measured crossover, float32 and bfloat16; docs/kernels.md). */
 #define TILE_MIN_ROWS 16
 
 /* The K and V row addresses of keys slots[from .. from + count), for this task's head. */
@@ -132,7 +129,7 @@ ALWAYS_INLINE void update_block(const char *const *k_rows, const char *const *v_
    Slots lie anywhere in the pool, so each row is a likely cache miss. The first chunk's rows are
    requested up front, and every next chunk's rows one key at a time while the current chunk's
    scores are computed: the misses overlap the arithmetic instead of stalling it one by one
-   (a burst of prefetches for a whole chunk was ~10% slower: it overflows the miss buffers). */
+   (a burst of prefetches for a whole chunk is slower: it overflows the miss buffers). */
 ALWAYS_INLINE void attend_keys(const KeySource *src, const float *q, int64_t n,
                                const int64_t *slots, int64_t len, float *acc, float *m, float *l,
                                const int64_t D, const int bf16)
@@ -161,10 +158,9 @@ ALWAYS_INLINE void attend_keys(const KeySource *src, const float *q, int64_t n,
      softmax       online, on that one vector
      acc += P V    each V row widened once for all the rows of the group; acc in registers
    Rows go in groups of up to ROWS, a literal count each, so accumulators stay in registers (a
-   kv head's query heads: 3 for the default model; a shared run of 2 requests: 6). About 2x
-   faster than update_block on K/V in cache (8 requests x 700 keys, 2 threads: 4.9 against 9.4
-   ns per key and kv head); from memory (30 layers' pools) 0.21 -> 0.17 ms per layer, where
-   the memory becomes the limit. */
+   kv head's query heads: 3 for the default model; a shared run of 2 requests: 6). Faster than
+   update_block on K/V in cache, where one shuffle tree per 16 keys replaces a horizontal sum
+   per key; from memory the memory is the limit either way. */
 #define ROWS 8
 
 /* The tree's lane order: lane 4q + r holds key q + 4r, so key j lands in lane LANE_KEYS[j] and

@@ -2,9 +2,9 @@
    its prefix_len cached tokens and to themselves.
 
    Why not PyTorch's SDPA: its CPU flash kernel does its block products through MKL, which on
-   AMD EPYC runs well below the machine's FMA rate, and with a mask (a cached prefix needs one)
-   it reaches about 40 GFLOP/s on 2 cores here; a 64-token question over a 1K-token prompt spends
-   half of its step in it. This is flash attention written for the CPU's vector registers
+   AMD EPYC runs well below the machine's FMA rate, most of all with a mask (a cached prefix
+   needs one), so short questions over long cached prompts spent much of their step in it
+   (docs/kernels.md). This is flash attention written for the CPU's vector registers
    (the tile loops are in flash_tile.h):
 
      for each task = (request, kv head, tile of up to TILE new tokens):

@@ -182,8 +182,7 @@ ALWAYS_INLINE void block_rows(const float *qs, const float *kt, const float *vb,
     for (int r = 0; r < R; r++)
         for (int c = 0; c < NV; c++) storev(p[r] + c * VL, s[r][c]);
     /* acc (R, D) += P V in column slabs of PV_NC vectors, then one: R x PV_NC accumulators
-       and the V vectors fit in the register file (AVX-512 slabs of 4 vectors spilled to the
-       stack: 5-8% slower) */
+       and the V vectors fit in the register file (wider slabs spill to the stack) */
     int64_t c0 = 0;
     for (; c0 + PV_NC * VL <= D; c0 += PV_NC * VL) pv_slab(acc, vb, p, count, c0, D, PV_NC);
     for (; c0 < D; c0 += VL) pv_slab(acc, vb, p, count, c0, D, 1);
@@ -324,8 +323,8 @@ static const uint16_t ZERO_BF16[256] __attribute__((aligned(64)));
 /* Stage the K/V rows of keys slots[key0 .. key0 + count) for tile_attend_bf16: kt (D/2, KB)
    pairs, K transposed (key j in lane j); vb (KB/2, D) pairs, keys 2i and 2i+1 interleaved;
    keys past count are zeros. With D a multiple of 32 (up to 256), in vector registers: K in
-   16 x 16 transposes, V two rows at a time through a two-source word permute (7-10% of a
-   prefill block went to the element-by-element copies); else element by element. */
+   16 x 16 transposes, V two rows at a time through a two-source word permute (the
+   element-by-element copies were a visible share of a prefill block); else element by element. */
 ALWAYS_INLINE void stage_block_bf16(const KeySource *src, const int64_t *slots, int64_t key0,
                                     int64_t count, pair_t *kt, pair_t *vb, const int64_t D)
 {

@@ -2,13 +2,13 @@
    (M <= 16 rows, below) and also used for prefill chunks (tiled_linear, further down).
 
    A decode step multiplies a handful of rows by every weight matrix once: it is a stream of the
-   weights through the cores, and its speed is how fast that stream runs. oneDNN's matmuls reach
-   ~30-33 GB/s here at 8 rows. This kernel reads W in a layout made for streaming, packed once
+   weights through the cores, and its speed is how fast that stream runs, which oneDNN's matmuls
+   leave well below the memory's rate. This kernel reads W in a layout made for streaming, packed once
    at load: blocks of 16 output columns, k-major inside a block (float32: (N/16, K, 16);
    bfloat16: (N/16, K/2, 16, 2), pairs of k per lane), so each 64-byte load is 16 columns at one
-   k (or two) and feeds one multiply-add per row; the stream is prefetched 8 KB ahead. On the
-   default model's 30 layers + LM head at 8 rows, called from C (decode_step.c): ~63 GB/s in
-   bfloat16 (4 KB ahead: 58; one 226 MB matrix: 72; a plain read loop peaks at ~83).
+   k (or two) and feeds one multiply-add per row; the stream is prefetched 8 KB ahead (shorter
+   leads leave the stream starved, longer ones overflow the miss buffers; docs/kernels.md has
+   the rates).
 
    bfloat16: vdpbf16ps where the CPU has AVX512-BF16, else the pairs are widened to float32.
    Accumulation is float32; a bfloat16 y is rounded once, at the end.
