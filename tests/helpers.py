@@ -11,6 +11,7 @@ Nothing here downloads anything.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -218,3 +219,12 @@ def tree_machine(
             assert self.tree.evictable_tokens == self.ref.num_tokens - protected
 
     return TreeMachine
+
+
+def sse_events(body: str) -> list[dict[str, Any]]:
+    """The JSON events of a server-sent-events body, in order (the final [DONE] left out)."""
+    return [
+        json.loads(line[len("data: ") :])
+        for line in body.splitlines()
+        if line.startswith("data: {")
+    ]

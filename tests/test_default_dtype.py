@@ -52,7 +52,7 @@ def test_an_auto_engine_runs_what_auto_resolves_to(engine_model_dir: Path) -> No
     auto = engines[0]
     assert auto.runner.dtype == resolved
     assert auto.runner.pool.dtype == getattr(torch, resolved)
-    prompts = [list(range(3, 40)), list(range(3, 30)) + [7, 8, 9]]
+    prompts = [list(range(3, 40)), [*range(3, 30), 7, 8, 9]]
     assert outputs(run(auto, prompts, GREEDY)) == outputs(run(engines[1], prompts, GREEDY))
     for engine in engines:
         assert_idle(engine)

@@ -3,11 +3,11 @@ a stream (the report in the first chunk), another salt; and no report unless ask
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from helpers import sse_events
 from live_server import LiveServer, live_server, save_tiny_chat_model
 
 API_KEY = "test-key"
@@ -74,11 +74,7 @@ def test_stream_carries_the_report_first(server: LiveServer) -> None:
     complete(server, prompt)
     body = {"prompt": prompt, "max_tokens": 3, "stream": True, "return_cache_report": True}
     streamed = server.post("/v1/completions", json=body)
-    events = [
-        json.loads(line[len("data: ") :])
-        for line in streamed.text.splitlines()
-        if line.startswith("data: {")
-    ]
+    events = sse_events(streamed.text)
     assert events[0]["cache_report"]["reason"] == "hit"
     assert all("cache_report" not in e for e in events[1:])
     server.wait_idle()

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import sse_events
 from live_server import LiveServer, live_server, save_tiny_chat_model
 
 from radixlm.commands.lint import lint_bodies
@@ -131,11 +132,7 @@ def test_streamed_report_and_no_report_unless_asked(server: LiveServer) -> None:
         "/v1/chat/completions",
         json={**body, "max_tokens": 2, "stream": True, "return_cache_report": True},
     )
-    events = [
-        json.loads(line[len("data: ") :])
-        for line in streamed.text.splitlines()
-        if line.startswith("data: {")
-    ]
+    events = sse_events(streamed.text)
     assert events[0]["cache_report"]["reason"] == "hit"
     assert all("cache_report" not in e for e in events[1:])
     server.wait_idle()
