@@ -302,10 +302,9 @@ def _model_block(name: str, result: dict[str, Any]) -> str:
 
 
 def agents_section() -> str:
-    path = BENCH / "agent_tools.json"
-    if not path.exists():
-        return "No run recorded yet (`benchmarks/agent_tools.py`).\n"
-    result = json.loads(path.read_text())
+    result = _recorded("agent_tools.json")
+    if result is None:
+        return _not_run("benchmarks/agent_tools.py")
     lines = [
         f"`{result['command']}` ([agents.md](agents.md)): {result['agents']} agents x "
         f"{result['steps']} steps through `radixlm serve` ({result['model']}), each step "
@@ -339,10 +338,9 @@ def agents_section() -> str:
 
 
 def tiers_section() -> str:
-    path = BENCH / "cache_tiers.json"
-    if not path.exists():
-        return "No run recorded yet (`radixlm.bench.cache_tiers`).\n"
-    result = json.loads(path.read_text())
+    result = _recorded("cache_tiers.json")
+    if result is None:
+        return _not_run("radixlm.bench.cache_tiers")
     lines = [
         f"`python -m radixlm.bench.cache_tiers --trace TRACE` replays the Mooncake conversation "
         f"trace ({result['requests']:,} requests) through the tree, {result['inflight']} in "
@@ -370,13 +368,12 @@ def tiers_section() -> str:
 
 
 def l2_served_section() -> str:
-    path = BENCH / "l2_served.json"
-    if not path.exists():
-        return "No run recorded yet (`benchmarks/l2_served.py`).\n"
+    result = _recorded("l2_served.json")
+    if result is None:
+        return _not_run("benchmarks/l2_served.py")
     sys.path.insert(0, str(REPO / "benchmarks"))
     from l2_served import render_section  # benchmarks/l2_served.py renders its own section
 
-    result = json.loads(path.read_text())
     return render_section(result, _host_line(result.get("host")))
 
 
@@ -385,10 +382,9 @@ def _tb(value: float | None) -> str:
 
 
 def replicas_section() -> str:
-    path = BENCH / "replicas.json"
-    if not path.exists():
-        return "No run recorded yet (`benchmarks/replicas.py`).\n"
-    result = json.loads(path.read_text())
+    result = _recorded("replicas.json")
+    if result is None:
+        return _not_run("benchmarks/replicas.py")
     config = result["config"]
     lines = [
         f"`benchmarks/replicas.py` ([replicas.md](replicas.md)): {config['groups']} prefix groups "
@@ -416,10 +412,9 @@ def replicas_section() -> str:
 
 
 def observatory_section() -> str:
-    path = BENCH / "observatory_overhead.json"
-    if not path.exists():
-        return "No run recorded yet (`benchmarks/observatory_overhead.py`).\n"
-    result = json.loads(path.read_text())
+    result = _recorded("observatory_overhead.json")
+    if result is None:
+        return _not_run("benchmarks/observatory_overhead.py")
     lines = [
         f"`{result['command']}` ([observatory.md](observatory.md)): `radixlm serve` "
         f"({result['model']}) with every request asking for a cache report against none, chat "
@@ -484,6 +479,16 @@ def sglang_section() -> str:
 
 
 # ---- formatting -------------------------------------------------------------------------------
+def _recorded(name: str) -> dict[str, Any] | None:
+    """docs/bench/`name`'s JSON, or None before its benchmark has run."""
+    path = BENCH / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _not_run(command: str) -> str:
+    return f"No run recorded yet (`{command}`).\n"
+
+
 def _host_line(host: dict[str, Any] | None) -> str:
     label = cpu_label(host)
     if host and host.get("commit"):
