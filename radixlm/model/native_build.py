@@ -88,21 +88,53 @@ VARIANTS = {v.name: v for v in (AVX512, AVX2, GENERIC)}  # fastest first
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags: /proc/cpuinfo where there is one, else what PyTorch's own
-    dispatch found (its capability names the x86 levels)."""
+    """This CPU's feature flags, as /proc/cpuinfo spells them, less any vector extension the
+    CPUID probe PyTorch runs at start (cpuinfo: CPUID and the registers the OS saves) denies.
+    The probe has the last word because /proc/cpuinfo can describe another CPU: an emulator
+    such as qemu-user passes the host's file through while executing a smaller instruction set.
+    Without /proc/cpuinfo the probe alone answers."""
+    probed = _probed_flags()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         for line in cpuinfo.read_text().splitlines():
             if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
+                flags = frozenset(line.split(":", 1)[1].split())
+                return flags if probed is None else _within(flags, probed)
+    return probed if probed is not None else frozenset()
+
+
+def _probed_flags() -> frozenset[str] | None:
+    """The vector extensions PyTorch's CPUID probe finds, spelled as /proc/cpuinfo does, or
+    None where there is no probe (not x86, or a PyTorch without it)."""
     if not X86:
-        return frozenset()
+        return None
     import torch
 
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability.startswith("AVX512"):
-        return AVX512.needs | AVX2.needs
-    return AVX2.needs if capability == "AVX2" else frozenset()
+    probe = getattr(torch, "cpu", None)
+    try:
+        has_avx512 = probe._is_avx512_supported()  # type: ignore[union-attr]
+        has_avx2 = probe._is_avx2_supported()  # type: ignore[union-attr]
+        has_bf16 = probe._is_avx512_bf16_supported()  # type: ignore[union-attr]
+    except AttributeError:
+        return None
+    flags = set(AVX2.needs) if has_avx2 else set()
+    if has_avx512:
+        flags |= AVX512.needs
+    if has_bf16:
+        flags.add("avx512_bf16")
+    return frozenset(flags)
+
+
+def _within(flags: frozenset[str], probed: frozenset[str]) -> frozenset[str]:
+    """`flags` without the AVX2 / AVX-512 families where the probe does not find them."""
+    denied: set[str] = set()
+    if "avx512f" not in probed:
+        denied |= {f for f in flags if f.startswith("avx512")}
+    if "avx512_bf16" not in probed:
+        denied.add("avx512_bf16")
+    if "avx2" not in probed:
+        denied |= {"avx2", "fma"}
+    return flags - denied
 
 
 def cpu_name() -> str:
