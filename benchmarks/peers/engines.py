@@ -49,6 +49,10 @@ QUICK: dict[str, dict[str, int]] = {
 SERVED: dict[str, tuple[str, dict[str, int]]] = {
     "served": ("fewshot", dict(num_requests=16, shared_len=1200, question_len=80, output_len=24)),
 }  # fmt: skip
+# --quick for the served run: the same shape, small
+QUICK_SERVED: dict[str, tuple[str, dict[str, int]]] = {
+    "served": ("fewshot", dict(num_requests=4, shared_len=128, question_len=16, output_len=8)),
+}  # fmt: skip
 CONCURRENCY = 8
 THREADS = 2  # the machine's cores; every engine gets both
 

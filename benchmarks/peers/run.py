@@ -13,6 +13,15 @@ other than the engine and the client kept busy (from /proc/stat against their ow
 `--isa avx2` caps every engine to AVX2 + FMA (engines.ISA_CAPS: environment variables, and
 llama.cpp's AVX2-only build) and writes to results/runs-avx2/ instead; `--workloads served` is
 issue 13's served run (engines.SERVED).
+
+`--rounds N` repeats the whole pass N times, the engines alternating: round k runs every engine
+in turn (in reverse order on odd rounds, so neither side always goes first), each from a fresh
+server. A round is thus exactly a one-round run, same seed and a cold cache but for the warm-up,
+and an engine's rounds sit minutes from the other engines' rounds of the same index, so a ratio
+per round compares runs made side by side. Restarting, rather than flushing a warm server, is
+the one reset every engine has (llama-server has no flush) and keeps first-request costs in
+every round alike. The JSON's top level is the median round (see _merge_rounds); `rounds` holds
+every round's summary and contention.
 """
 
 from __future__ import annotations
@@ -26,7 +35,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from engines import (
     CACHE,
@@ -35,6 +46,7 @@ from engines import (
     HERE,
     ISA_CAPS,
     QUICK,
+    QUICK_SERVED,
     REPO_PY,
     SERVED,
     WORKLOADS,
@@ -62,35 +74,76 @@ def main() -> None:
         default="native",
         help="cap every engine's instruction set (default: what the CPU has)",
     )
-    parser.add_argument("--out", type=Path, default=None, help="default: results/runs[-ISA]")
+    parser.add_argument("--rounds", type=int, default=1, help="passes, engines alternating")
+    parser.add_argument(
+        "--out", type=Path, default=None,
+        help="default: results/runs[-ISA]; with --quick $PEERS_CACHE/runs-quick[-ISA]",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny workloads: check the setup")
     args = parser.parse_args()
-    if args.out is None:
-        args.out = RUNS if args.isa == "native" else RUNS.with_name(f"runs-{args.isa}")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.out is None:  # a quick check never overwrites the recorded results
+        folder = CACHE / "runs-quick" if args.quick else RUNS
+        args.out = folder if args.isa == "native" else folder.with_name(f"{folder.name}-{args.isa}")
     if args.quick:
         for name, params in QUICK.items():
             WORKLOADS[name] = {**WORKLOADS[name], **params}
+        for name, (client_workload, params) in QUICK_SERVED.items():
+            SERVED[name] = (client_workload, {**SERVED[name][1], **params})
     # a SIGTERM (timeout, kill) unwinds through run_server's `finally`, which stops the engine
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.out.mkdir(parents=True, exist_ok=True)
     (CACHE / "logs").mkdir(parents=True, exist_ok=True)
     found = versions()
-    for name in args.engines:
-        engine = with_isa(ENGINES[name], args.isa)
-        if engine.port:
-            run_server(engine, args.workloads, args.out, found)
-        else:
-            for workload in args.workloads:
-                cmd = [*engine.command, *_workload_flags(workload), "--json", "{out}"]
-                _measure(engine, workload, cmd, [], args.out, found)
+    run_id = _utc_now()  # pairs the rounds of one invocation across engines' files
+    measured: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for round_index in range(args.rounds):
+        order = args.engines if round_index % 2 == 0 else args.engines[::-1]
+        for name in order:
+            engine = with_isa(ENGINES[name], args.isa)
+            print(f"== round {round_index + 1}/{args.rounds}: {engine.name}", flush=True)
+            try:
+                results = _run_engine(engine, args.workloads, args.out, found, round_index)
+            except (RuntimeError, subprocess.CalledProcessError) as error:
+                print(f"!! {engine.name}, round {round_index + 1}: {error}", file=sys.stderr)
+                continue
+            for workload, result in results.items():
+                result["round"] = {"index": round_index, "run_id": run_id}
+                measured.setdefault((engine.name, workload), []).append(result)
+                # rewritten after every round: an interrupted run keeps what it measured
+                path = args.out / f"{_slug(engine.name)}__{workload}.json"
+                merged = _merge_rounds(measured[(engine.name, workload)], args.rounds, run_id)
+                path.write_text(json.dumps(merged, indent=2))
 
 
-def run_server(engine: Engine, workloads: list[str], out: Path, found: dict[str, str]) -> None:
-    log = open(CACHE / "logs" / f"{_slug(engine.name)}.log", "w")  # noqa: SIM115
+def _run_engine(
+    engine: Engine, workloads: list[str], out: Path, found: dict[str, str], round_index: int
+) -> dict[str, dict[str, Any]]:
+    """One round of one engine: workload -> its result (a failed workload is left out)."""
+    if engine.port:
+        return run_server(engine, workloads, out, found, round_index)
+    results = {}
+    for workload in workloads:
+        cmd = [*engine.command, *_workload_flags(workload), "--json", "{out}"]
+        result = _measure(engine, workload, cmd, [], out, found)
+        if result is not None:
+            results[workload] = result
+    return results
+
+
+def run_server(
+    engine: Engine, workloads: list[str], out: Path, found: dict[str, str], round_index: int = 0
+) -> dict[str, dict[str, Any]]:
+    """Start `engine`, warm it up, run each workload against it, stop it: workload -> result."""
+    log = open(CACHE / "logs" / f"{_slug(engine.name)}.log", "a" if round_index else "w")  # noqa: SIM115
+    log.write(f"== round {round_index + 1}, started {_utc_now()}\n")
+    log.flush()
     server = subprocess.Popen(
         engine.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, **engine.env},
     )  # fmt: skip
+    results = {}
     try:
         _wait_ready(engine, server)
         base = f"http://127.0.0.1:{engine.port}"
@@ -103,20 +156,24 @@ def run_server(engine: Engine, workloads: list[str], out: Path, found: dict[str,
             cmd = [str(REPO_PY), "-m", "radixlm", "bench", "serve", "--base-url", base,
                    *_workload_flags(workload), "--extra-body", engine.extra_body,
                    "--json", "{out}"]  # fmt: skip
-            _measure(engine, workload, cmd, [server.pid], out, found)
+            result = _measure(engine, workload, cmd, [server.pid], out, found)
+            if result is not None:
+                results[workload] = result
     finally:
         _stop(server)
         log.close()
+    return results
 
 
 def _measure(
     engine: Engine, workload: str, cmd: list[str], pids: list[int], out: Path, found: dict[str, str]
-) -> None:
-    """Run one client command (or offline script) and save its JSON with the contention."""
-    path = out / f"{_slug(engine.name)}__{workload}.json"
+) -> dict[str, Any] | None:
+    """Run one client command (or offline script): its JSON with the contention, or None if it
+    failed. The client writes to a .part file, which main merges into the round's record."""
+    path = out / f"{_slug(engine.name)}__{workload}.part"
     cmd = [c.replace("{out}", str(path)) for c in cmd]
     print(f"== {engine.name} / {workload}: {' '.join(cmd)}", flush=True)
-    load_before, top_before = os.getloadavg()[0], _top()
+    load_before, top_before, started = os.getloadavg()[0], _top(), _utc_now()
     busy0, ours0, children0 = _cpu_busy(), _tree_cpu(pids), _children_cpu()
     t0 = time.monotonic()
     client = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -128,8 +185,9 @@ def _measure(
     print(output[-1500:], flush=True)
     if client.returncode != 0:
         print(f"!! {engine.name} / {workload} failed ({client.returncode})", file=sys.stderr)
-        return
+        return None
     result = json.loads(path.read_text())
+    path.unlink()
     result["engine"] = {
         "name": engine.name,
         "label": engine.label,
@@ -148,11 +206,38 @@ def _measure(
         "wall_s": wall,
         "top_before": top_before,
     }
-    path.write_text(json.dumps(result, indent=2))
+    result["started"] = started
     print(
         f"   contention: {result['contention']['other_busy_cores']:.2f} other cores busy",
         flush=True,
     )
+    return result
+
+
+def _merge_rounds(rounds: list[dict[str, Any]], asked: int, run_id: str) -> dict[str, Any]:
+    """One (engine, workload) file from its rounds: the median round's full record (the lower
+    of the two middle ones for an even count), so every field of `summary` and `contention`
+    comes from one and the same run and the file reads as a one-round file does; `rounds` lists
+    every round's summary and contention in the order they ran."""
+    ranked = sorted(rounds, key=lambda r: r["summary"]["output_tok_s"])
+    median = ranked[(len(ranked) - 1) // 2]
+    merged = {k: v for k, v in median.items() if k not in ("round", "started")}
+    merged["config"] = {
+        **median["config"],
+        "run_id": run_id,
+        "rounds_asked": asked,
+        "summary_round": median["round"]["index"],
+        "summary_rule": "the round with the median output_tok_s (lower median for an even "
+        "count); every summary and contention field from that round",
+        "round_protocol": "engines alternate, reversed on odd rounds; a fresh server per "
+        "round, same workload seed",
+    }
+    merged["rounds"] = [
+        {"index": r["round"]["index"], "started": r["started"], "summary": r["summary"],
+         "contention": r["contention"]}
+        for r in rounds
+    ]  # fmt: skip
+    return merged
 
 
 def _workload_flags(workload: str) -> list[str]:
@@ -232,6 +317,10 @@ def _portable(text: str) -> str:
     where they lie on this machine."""
     text = text.replace(str(REPO_PY), ".venv/bin/python").replace(str(CACHE), "$PEERS_CACHE")
     return text.replace(f"{HERE.parent.parent}/", "")
+
+
+def _utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _slug(name: str) -> str:
