@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -207,26 +208,67 @@ def avx2_section() -> str:
 
 
 def served_table(runs: dict[tuple[str, str], Any]) -> str:
-    """Issue 13's served run: one shared prefix, each engine against vLLM float32."""
+    """Issue 13's served run: one shared prefix, each engine against vLLM float32. With rounds
+    (`run.py --rounds N`), each row is the engine's median round and its ratio the median of the
+    per-round ratios, each round's listed beside it."""
     vllm = runs.get(("vllm", "served"))
     vllm_tok_s = vllm["summary"]["output_tok_s"] if vllm else None
-    lines = [
+    num_rounds = max(len(run.get("rounds", [])) for run in runs.values())
+    intro = (
         "Served run (`run.py --isa avx2 --workloads served`: one 1,200-token prefix shared by 16 "
-        "requests of 80 own tokens each, 24 output tokens, 8 in flight):\n",
+        "requests of 80 own tokens each, 24 output tokens, 8 in flight)"
+    )
+    header = (
         "| engine setting | output tok/s | over vLLM float32 | TTFT p50 / p99 (ms) "
-        "| ITL p50 (ms) | cached prompt tokens | other cores busy |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
+        "| ITL p50 (ms) | cached prompt tokens | other cores busy |"
+    )
+    rule = "|---|---:|---:|---:|---:|---:|---:|"
+    if num_rounds > 1:
+        intro += (
+            f", {num_rounds} rounds (`--rounds {num_rounds}`: the engines alternate, each from a "
+            "fresh server every round). A row is the engine's median round by output tok/s (the "
+            'lower middle one for an even count); "over vLLM float32" is the median of the '
+            "per-round ratios, which pair the rounds of the same index"
+        )
+        header += " per round: output tok/s (over vLLM float32) |"
+        rule += "---|"
+    lines = [intro + ":\n", header, rule]
     for (engine, _), run in runs.items():
         s, c = run["summary"], run["contention"]
-        ratio = "–" if vllm_tok_s is None else f"{s['output_tok_s'] / vllm_tok_s:.2f}x"
-        lines.append(
-            f"| {engine} | {s['output_tok_s']:.1f} | {ratio} "
-            f"| {s['ttft_p50_ms']:,.0f} / {s['ttft_p99_ms']:,.0f} | {s['itl_p50_ms']:.0f} "
-            f"| {s['cached_tokens'] / s['prompt_tokens']:.0%} | {c['other_busy_cores']:.2f} |"
-        )
+        ratios = _round_ratios(run, vllm) if engine != "vllm" else []
+        if ratios:
+            ratio = f"{statistics.median(ratios):.2f}x"
+        else:
+            ratio = "–" if vllm_tok_s is None else f"{s['output_tok_s'] / vllm_tok_s:.2f}x"
+            if vllm and run["config"].get("run_id") != vllm["config"].get("run_id"):
+                ratio += " (separate run)"  # not measured side by side with this vLLM
+        cells = [
+            engine, f"{s['output_tok_s']:.1f}", ratio,
+            f"{s['ttft_p50_ms']:,.0f} / {s['ttft_p99_ms']:,.0f}", f"{s['itl_p50_ms']:.0f}",
+            f"{s['cached_tokens'] / s['prompt_tokens']:.0%}", f"{c['other_busy_cores']:.2f}",
+        ]  # fmt: skip
+        if num_rounds > 1:
+            tok_s = [r["summary"]["output_tok_s"] for r in run.get("rounds", [])]
+            cells.append(
+                " · ".join(f"{t:.1f} ({x:.2f}x)" for t, x in zip(tok_s, ratios))
+                if ratios
+                else " · ".join(f"{t:.1f}" for t in tok_s) or "–"
+            )
+        lines.append("| " + " | ".join(cells) + " |")
     hosts = {_host_line(r.get("host")) for r in runs.values()}
     return "\n".join(lines) + "\n\n" + "; ".join(sorted(hosts)) + ".\n"
+
+
+def _round_ratios(run: dict[str, Any], vllm: dict[str, Any] | None) -> list[float]:
+    """`run`'s output tok/s over vLLM's, round by round, in `run`'s order: only for rounds of
+    the same invocation (run_id) and index, so each ratio compares runs made side by side."""
+    if vllm is None or run["config"].get("run_id") != vllm["config"].get("run_id"):
+        return []
+    theirs = {r["index"]: r["summary"]["output_tok_s"] for r in vllm.get("rounds", [])}
+    ours = [r for r in run.get("rounds", []) if r["index"] in theirs]
+    if len(ours) != len(run.get("rounds", [])):
+        return []  # an unpaired round: the per-round list would mislead
+    return [r["summary"]["output_tok_s"] / theirs[r["index"]] for r in ours]
 
 
 def offline_section() -> str:
