@@ -217,3 +217,63 @@ def test_one_shot_requests_never_reach_the_disk(model_dir: Path, tmp_path: Path)
     m = cache.tree.match(second)
     assert m.node.turn == 2 and m.node.parent is not None and m.node.parent.turn == 1
     assert_idle(tiered)
+
+
+def test_a_finished_turn_is_written_through_and_leaves_ram_without_a_write(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    rng = random.Random(17)
+    words = lambda n: [rng.randrange(1, 250) for _ in range(n)]  # noqa: E731
+    first, filler = words(120), words(330)
+    plain, tiered = engine(model_dir, cache="none"), engine(model_dir, l2_dir=tmp_path)
+    cache = tiered.cache
+    assert isinstance(cache, TieredRadixCache)
+    second = first + outputs(run(tiered, [first]))[0] + words(30)
+    assert outputs(run(tiered, [second])) == outputs(run(plain, [second]))
+    through = cache.l2_through_pages  # the second turn's path, written as it finished
+    assert through >= (len(second) + 11) // 64 and cache.l2_written_pages == through
+    for write in list(cache._pending.values()):
+        write.result()  # the I/O threads copied every page (as they would while others run)
+    run(tiered, [filler])  # RAM evicts the conversation: its slots go, nothing is written
+    assert cache.l2_written_pages == through and cache.l2_settled_pages == 0
+    assert cache.tree.num_l2_nodes > 0 and cache.tree.match(second).length == 0
+    third = second + words(20)
+    assert outputs(run(tiered, [third])) == outputs(run(plain, [third]))
+    assert cache.l2_hit_tokens >= through * 64 - 64  # all but a page the filler's pass took
+    assert_idle(tiered)
+
+
+def test_aborts_and_evictions_while_a_write_through_waits_for_the_disk(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    rng = random.Random(19)
+    words = lambda n: [rng.randrange(1, 250) for _ in range(n)]  # noqa: E731
+    first, filler = words(120), words(330)
+    tiered = engine(model_dir, l2_dir=tmp_path)
+    cache = tiered.cache
+    assert isinstance(cache, TieredRadixCache)
+    second = first + outputs(run(tiered, [first]))[0] + words(30)
+    disk, fast = threading.Event(), cache.l2._pwrite
+
+    def slow(page: int, key: bytes, payload: Callable[[], object]) -> None:
+        disk.wait(10.0)  # before the staged payload is gathered: nothing is copied yet
+        fast(page, key, payload)  # type: ignore[arg-type]
+
+    cache.l2._pwrite = slow  # type: ignore[method-assign]
+    rid = tiered.add_request(second, GREEDY)
+    for _ in range(3):
+        tiered.step()
+    tiered.abort(rid)  # a second turn, aborted while decoding: its path is written through
+    assert cache.l2_through_pages > 0
+    assert_idle(tiered)
+    rid = tiered.add_request(filler, GREEDY)
+    tiered.step()  # the filler's admission evicts the conversation: no page was copied yet
+    assert cache.l2_settled_pages > 0  # so eviction copied them before freeing the slots
+    tiered.abort(rid)
+    assert_idle(tiered)
+    disk.set()
+    expected = outputs(run(engine(model_dir, cache="none"), [second]))
+    hits = cache.l2_hit_tokens
+    assert outputs(run(tiered, [second])) == expected
+    assert cache.l2_hit_tokens - hits >= 128 and cache.l2_bad_pages == 0
+    assert_idle(tiered)

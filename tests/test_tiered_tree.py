@@ -27,24 +27,36 @@ class MemoryStore:
         self.num_pages = num_pages
         self.free = list(range(num_pages))
         self.tokens: dict[int, bytes] = {}
+        self.staged: set[int] = set()  # pages written through whose KV is still to be copied
+        self.eviction_writes = 0  # pages written as their node left RAM
         self.tree: TieredTree
 
     def admits(self, node: TreeNode) -> bool:
         return self.admit
 
-    def write_node(self, node: TreeNode, first: int, count: int) -> np.ndarray:
-        if count > len(self.free):
-            self.tree.evict_l2(count - len(self.free))
+    @property
+    def num_free_pages(self) -> int:
+        return len(self.free)
+
+    def write_node(self, node: TreeNode, first: int, count: int, staged: bool) -> np.ndarray:
         pages = [self.free.pop() for _ in range(min(count, len(self.free)))]
+        self.eviction_writes += len(pages) if not staged else 0
         path = np.frombuffer(path_tokens(node), dtype=np.int64)
         for i, page in enumerate(pages):
             at = (first + i) * PAGE_TOKENS
             self.tokens[page] = path[at : at + PAGE_TOKENS].tobytes()
+        if staged:
+            self.staged.update(pages)
         return np.array(pages, dtype=np.int64)
+
+    def settle(self, node: TreeNode) -> None:
+        assert node.pages is not None and len(node.value), "settled after leaving RAM"
+        self.staged.difference_update(node.pages.tolist())
 
     def free_pages(self, pages: np.ndarray) -> None:
         for page in pages.tolist():
             del self.tokens[page]
+            self.staged.discard(page)
             self.free.append(page)
 
     def abort_load(self, node: TreeNode) -> None:
@@ -85,6 +97,13 @@ class Harness:
         self.free.update(slots[: res.prefix_len].tolist())  # already cached: not used
         self.inserted.append(seq)
 
+    def finish(self, seq: np.ndarray) -> None:
+        """A request for `seq` finishes: its path is written through."""
+        m = self.tree.match(seq)
+        self.tree.lock(m.node)
+        self.tree.write_through(m.node)
+        self.tree.unlock(m.node)
+
     def load(self, seq: np.ndarray) -> None:
         tm = self.tree.match_tiers(seq)
         length = tm.l1.length
@@ -116,6 +135,17 @@ class Harness:
         self.tree.check_integrity()
         assert len(self.free) + self.tree.num_tokens == NUM_SLOTS
         assert len(self.store.free) + self.tree.num_l2_pages == self.store.num_pages
+        for node in l2_only(self.tree):  # its slots were freed: no page may wait for a copy
+            assert node.pages is not None and not self.store.staged & set(node.pages.tolist())
+
+
+def l2_only(tree: TieredTree) -> list[TreeNode]:
+    out, stack = [], list(tree.roots().values())
+    while stack:
+        node = stack.pop()
+        stack += [*node.children.values(), *node.l2_children.values()]
+        out += node.l2_children.values()
+    return out
 
 
 def _common(a: np.ndarray, b: np.ndarray) -> int:
@@ -134,6 +164,7 @@ ops = st.lists(
     st.one_of(
         st.tuples(st.just("insert"), st.integers(0, 7)),
         st.tuples(st.just("load"), st.integers(0, 7)),
+        st.tuples(st.just("finish"), st.integers(0, 7)),
         st.tuples(st.just("evict"), st.integers(1, 400)),
         st.tuples(st.just("evict_l2"), st.integers(1, 6)),
     ),
@@ -165,6 +196,8 @@ def test_both_tiers_keep_their_invariants_and_serve_only_the_right_tokens(
             h.insert(seqs[arg % len(seqs)])
         elif op == "load":
             h.load(seqs[arg % len(seqs)])
+        elif op == "finish":
+            h.finish(seqs[arg % len(seqs)])
         elif op == "evict":
             h.free.update(h.tree.evict(arg).slots.tolist())
         else:
@@ -225,4 +258,42 @@ def test_a_full_l2_keeps_the_head_of_a_chain() -> None:
     assert h.tree.num_l2_pages == 2
     h.load(A)
     h.check()
+    assert h.tree.match(A).length == 2 * PAGE_TOKENS
+
+
+def test_a_finished_path_is_written_through_and_leaves_ram_without_a_write() -> None:
+    h = Harness(admit=True)
+    turn1 = np.arange(100, dtype=np.int64)
+    turn2 = np.concatenate([turn1, np.arange(1000, 1150, dtype=np.int64)])
+    h.insert(turn1)
+    h.insert(turn2)
+    h.finish(turn2)
+    h.check()
+    assert h.tree.num_l2_pages == 3 and len(h.store.staged) == 3  # none copied yet
+    assert h.tree.num_tokens == 250  # still in RAM as well
+    h.free.update(h.tree.flush().slots.tolist())
+    h.check()  # every page was settled before its slots were freed
+    assert h.store.eviction_writes == 0 and not h.store.staged and h.tree.num_l2_pages == 3
+    h.load(turn2)
+    assert h.tree.match(turn2).length == 192
+
+
+def test_a_finish_writes_nothing_not_worth_keeping() -> None:
+    h = Harness(admit=False)
+    h.insert(A)
+    h.finish(A)
+    h.check()
+    assert h.tree.num_l2_pages == 0
+
+
+def test_a_finish_into_a_full_l2_writes_the_head_and_splits_there() -> None:
+    h = Harness(admit=True, num_pages=2)
+    h.insert(A)
+    h.finish(A)  # 4 pages end in A's edge, 2 fit: the node is split after them
+    h.check()
+    assert h.tree.num_l2_pages == 2 and h.tree.num_nodes == 2
+    h.free.update(h.tree.flush().slots.tolist())
+    h.check()
+    assert h.store.eviction_writes == 0  # the tail found no room either: it is dropped
+    h.load(A)
     assert h.tree.match(A).length == 2 * PAGE_TOKENS

@@ -110,12 +110,17 @@ class L2PageFile:
         with self._lock:
             self._free.append(page)
 
-    def write(self, page: int, key: bytes, payload: Buffer) -> Future[None]:
+    def write(
+        self, page: int, key: bytes, payload: Buffer | Callable[[], Buffer | None]
+    ) -> Future[None]:
         """Store `payload` under `key` in `page` (checksum and I/O off the calling thread). A
         failed write (disk full) raises from the future's result; the caller then frees the
-        page. `payload` must not change until the future is done."""
-        if memoryview(payload).nbytes > self.payload_bytes or len(key) != KEY_BYTES:
-            raise ValueError("payload too large for a page, or a malformed key")
+        page. `payload` must not change until the future is done; a callable is called on the
+        I/O thread for it, and None from it skips the write."""
+        if len(key) != KEY_BYTES:
+            raise ValueError("a malformed page key")
+        if not callable(payload):
+            self._check_size(payload)
         return self._io.submit(self._pwrite, page, key, payload)
 
     def read(
@@ -130,8 +135,17 @@ class L2PageFile:
         self._reads.shutdown(wait=True)
         os.close(self._fd)
 
-    def _pwrite(self, page: int, key: bytes, payload: Buffer) -> None:
-        parts = [memoryview(_header(key, payload)), memoryview(payload).cast("B")]
+    def _check_size(self, payload: Buffer) -> None:
+        if memoryview(payload).nbytes > self.payload_bytes:
+            raise ValueError("payload too large for a page")
+
+    def _pwrite(self, page: int, key: bytes, payload: Buffer | Callable[[], Buffer | None]) -> None:
+        data = payload() if callable(payload) else payload
+        if data is None:
+            return  # a staged payload that was settled before it was copied
+        if callable(payload):
+            self._check_size(data)
+        parts = [memoryview(_header(key, data)), memoryview(data).cast("B")]
         offset = page * self.page_bytes
         while parts:  # a short write continues where it stopped
             written = os.pwritev(self._fd, parts, offset)

@@ -1,10 +1,12 @@
 """KV copies between the slot pool and L2 page payloads.
 
 A payload is one page's K and V for every layer, contiguous: (2, layers, 64 tokens, kv_heads,
-head_dim) in the pool's dtype. Pages are gathered on the engine thread (before the slots they
-come from are freed) and scattered on the page file's I/O threads as each read is verified, so
-copies overlap the reads. A `LoadSink` is cancelled when its load ends: after `cancel()`
-returns no late read writes into slots that may have been given to another request.
+head_dim) in the pool's dtype. A page written as its node leaves RAM is gathered on the engine
+thread (its slots are freed right after); a page written through when its request finishes is
+gathered on the I/O thread (`StagedPage`), from slots the tree still owns. Loaded pages are
+scattered on the I/O threads as each read is verified, so copies overlap the reads. A
+`LoadSink` is cancelled when its load ends: after `cancel()` returns no late read writes into
+slots that may have been given to another request.
 """
 
 from __future__ import annotations
@@ -27,6 +29,40 @@ def gather_page(pool: KVPool, slots: np.ndarray) -> memoryview:
         k, v = k.transpose(1, 2), v.transpose(1, 2)
     both = torch.stack([k, v]).contiguous()  # (2, L, n, H, D)
     return both.view(torch.uint8).numpy().reshape(-1).data
+
+
+class StagedPage:
+    """One page's payload, gathered on the I/O thread when its write runs, from slots the tree
+    owns until `settle()`: the tree settles a page before freeing any slot it reads, so a
+    gather never reads a reused slot and the engine thread copies nothing at finish."""
+
+    QUEUED, COPIED, CANCELLED = range(3)
+
+    def __init__(self, pool: KVPool, slots: np.ndarray, key: bytes) -> None:
+        self.pool = pool
+        self.slots = slots  # the page's 64 slot ids (tree-owned while the page is staged)
+        self.key = key
+        self._lock = threading.Lock()  # held during the gather and by settle
+        self._state = self.QUEUED
+
+    def gather(self) -> memoryview | None:
+        """The payload, on the I/O thread; None once settled uncopied (the write is skipped)."""
+        with self._lock:
+            if self._state == self.CANCELLED:
+                return None
+            payload = gather_page(self.pool, self.slots)
+            self._state = self.COPIED
+            return payload
+
+    def settle(self) -> bool:
+        """Whether the payload was copied; if not, it never will be (the write is skipped).
+        Waits for a gather in progress (a memory copy, never the disk). After this returns
+        the slots may be freed."""
+        with self._lock:
+            if self._state == self.COPIED:
+                return True
+            self._state = self.CANCELLED
+            return False
 
 
 class LoadSink:

@@ -114,9 +114,9 @@ class PrefixCache(ABC):
         """
 
     @abstractmethod
-    def release(self, node: TreeNode, in_flight_slots: np.ndarray) -> None:
-        """The request is done (finished after its last commit, or aborted): unlock `node` and
-        free the slots it still holds in flight."""
+    def release(self, node: TreeNode, in_flight_slots: np.ndarray, finished: bool = True) -> None:
+        """The request is done (finished after its last commit, or aborted; `finished` False:
+        retracted, it comes back): unlock `node` and free the slots it still holds in flight."""
 
     @abstractmethod
     def evict(self, num_tokens: int) -> int:
@@ -259,7 +259,7 @@ class RadixCache(PrefixCache):
         self._heads[key] = self._heads.get(key, 0) + 1
         return CommitResult(inserted.node, slots, cached_len)
 
-    def release(self, node: TreeNode, in_flight_slots: np.ndarray) -> None:
+    def release(self, node: TreeNode, in_flight_slots: np.ndarray, finished: bool = True) -> None:
         self._drop_head(node)
         self.tree.unlock(node)
         self._free_in_flight(np.asarray(in_flight_slots, dtype=np.int64))
@@ -343,7 +343,7 @@ class NoCache(PrefixCache):
             raise ValueError(f"{len(tokens)} tokens but {len(slots)} slots")
         return CommitResult(self._root, slots, 0)
 
-    def release(self, node: TreeNode, in_flight_slots: np.ndarray) -> None:
+    def release(self, node: TreeNode, in_flight_slots: np.ndarray, finished: bool = True) -> None:
         self._free_in_flight(np.asarray(in_flight_slots, dtype=np.int64))
 
     def evict(self, num_tokens: int) -> int:

@@ -2,9 +2,12 @@
 
 This class is the tree's page store: it decides what is worth writing (admission: a hit, a
 conversation's second turn or later, or a first turn once enough of them measurably came back;
-cache/turns.py), copies a leaving node's KV out of the pool on the engine thread (before its
-slots are freed, so a write never reads reused slots) and hands it to the page file's I/O
-threads (cache/l2_pages.py), and reads pages back when a match continues into L2:
+cache/turns.py) and hands pages to the page file's I/O threads (cache/l2_pages.py). A finished
+request's path is written through at once: its pages are gathered on the I/O threads from slots
+the tree still owns, and RAM evicting the node later only waits for a gather in progress (a
+memory copy; one not started yet is copied then) before its slots are freed, never for the
+disk. A node that leaves RAM unwritten is copied out on the engine thread, as its slots are
+freed right after. Pages are read back when a match continues into L2:
 
     tokens   |0 ........ 64 ........ 128 ........ 192 ...|
     pages    [  page 0  ][  page 1  ][  page 2   ]           key_i = H(key_{i-1}, page i tokens)
@@ -36,7 +39,7 @@ import numpy as np
 from radixlm.cache.kv_pool import KVPool, OutOfSlotsError
 from radixlm.cache.l2_loads import L2Load, LoadTicket, wait_any
 from radixlm.cache.l2_pages import L2Error, L2PageFile, page_key
-from radixlm.cache.page_copy import LoadSink, gather_page
+from radixlm.cache.page_copy import LoadSink, StagedPage, gather_page
 from radixlm.cache.prefix_cache import PendingMatch, RadixCache
 from radixlm.cache.radix_tree import MatchResult, Namespace, TreeNode
 from radixlm.cache.tiered_tree import PAGE_TOKENS, TieredTree, TierMatch
@@ -67,10 +70,13 @@ class TieredRadixCache(RadixCache):
         self.l2 = l2
         self.read_timeout_s = read_timeout_s  # per page read; a slower one ends the load
         self._pending: dict[int, Future[None]] = {}  # page -> its last write
+        self._staged: dict[int, StagedPage] = {}  # page -> its write through, until settled
         self._fingerprint = l2.fingerprint  # in every page key: another layout never matches
         self.l2_hit_tokens = self.l2_written_pages = self.l2_read_pages = 0
-        self.l2_rejected_tokens = self.l2_bad_pages = self.l2_read_timeouts = 0
+        self.l2_bad_pages = self.l2_read_timeouts = 0
         self.l2_loads = self.l2_aborted_loads = 0
+        self.l2_through_pages = 0  # written when a request finished, not when RAM evicted
+        self.l2_settled_pages = 0  # written through, but copied at eviction: not started yet
         self._loading: dict[int, L2Load] = {}  # id(chain node) -> the load reading it
         self.l2_load_seconds = 0.0
         self.l2_load_buckets = [0] * (len(LOAD_BUCKETS) + 1)  # the last one: above all bounds
@@ -78,15 +84,13 @@ class TieredRadixCache(RadixCache):
     # -- the page store: admission, writes, frees -------------------------------------------
 
     def admits(self, node: TreeNode) -> bool:
-        ok = _admits(node, self.tree.turns)
-        if not ok:
-            self.l2_rejected_tokens += node.num_tokens
-        return ok
+        return _admits(node, self.tree.turns)
 
-    def write_node(self, node: TreeNode, first: int, count: int) -> np.ndarray:
-        short = count - self.l2.num_free
-        if short > 0:
-            self.tree.evict_l2(short)
+    @property
+    def num_free_pages(self) -> int:
+        return self.l2.num_free
+
+    def write_node(self, node: TreeNode, first: int, count: int, staged: bool) -> np.ndarray:
         pages = [p for p in (self.l2.alloc() for _ in range(count)) if p is not None]
         if not pages:
             return np.empty(0, dtype=np.int64)
@@ -94,19 +98,45 @@ class TieredRadixCache(RadixCache):
         keys = _chain(self._fingerprint, namespace, tokens, first + len(pages))
         for i, page in enumerate(pages):
             p = first + i
-            payload = gather_page(self.kv, slots[p * PAGE_TOKENS : (p + 1) * PAGE_TOKENS])
-            self._pending[page] = self.l2.write(page, keys[p], payload)
+            page_slots = slots[p * PAGE_TOKENS : (p + 1) * PAGE_TOKENS]
+            if staged:
+                stage = self._staged[page] = StagedPage(self.kv, page_slots, keys[p])
+                self._pending[page] = self.l2.write(page, keys[p], stage.gather)
+            else:
+                self._pending[page] = self.l2.write(page, keys[p], gather_page(self.kv, page_slots))
         self.l2_written_pages += len(pages)
+        self.l2_through_pages += len(pages) if staged else 0
         if len(self._pending) > 4 * self.l2.num_pages // 3 + 64:
             self._pending = {p: f for p, f in self._pending.items() if not f.done()}
+            self._staged = {p: s for p, s in self._staged.items() if p in self._pending}
         return np.array(pages, dtype=np.int64)
+
+    def settle(self, node: TreeNode) -> None:
+        assert node.pages is not None
+        for page in node.pages.tolist():
+            stage = self._staged.pop(page, None)
+            if stage is not None and not stage.settle():  # its write has not started: copy now
+                payload = gather_page(self.kv, stage.slots)
+                self._pending[page] = self.l2.write(page, stage.key, payload)
+                self.l2_settled_pages += 1
 
     def free_pages(self, pages: np.ndarray) -> None:
         for page in pages.tolist():
+            stage = self._staged.pop(page, None)
+            if stage is not None:
+                stage.settle()  # a staged write not started yet never will be
             pending = self._pending.pop(page, None)
             if pending is not None:
                 _wait(pending)  # a page is reused only once its last write is done
             self.l2.free(page)
+
+    def release(self, node: TreeNode, in_flight_slots: np.ndarray, finished: bool = True) -> None:
+        """As RadixCache.release; a finished request's path is first written through to L2
+        when it is worth keeping (`TieredTree.write_through`), so RAM evicting it later frees
+        its slots and writes nothing."""
+        if finished:
+            self.tree.write_through(node)
+        super().release(node, in_flight_slots, finished)
 
     # -- matching continues into L2 ----------------------------------------------------------
 
@@ -262,6 +292,7 @@ class TieredRadixCache(RadixCache):
             "written_pages": self.l2_written_pages,
             "read_pages": self.l2_read_pages,
             "evicted_pages": self.tree.l2_evicted_pages,
+            "through_pages": self.l2_through_pages,
             "rejected_tokens": self.l2_rejected_tokens,
             "bad_pages": self.l2_bad_pages,
             "read_timeouts": self.l2_read_timeouts,
@@ -270,6 +301,10 @@ class TieredRadixCache(RadixCache):
             "load_seconds_buckets": dict(zip([*map(str, LOAD_BUCKETS), "+Inf"],
                                              self.l2_load_buckets, strict=True)),
         }  # fmt: skip
+
+    @property
+    def l2_rejected_tokens(self) -> int:
+        return self.tree.l2_rejected_tokens
 
     def _path(self, node: TreeNode) -> tuple[np.ndarray, np.ndarray, Namespace]:
         keys: list[bytes] = []

@@ -41,11 +41,20 @@ class PageStore(Protocol):
     """Where a TieredTree's pages live (cache/tiered_cache.py)."""
 
     def admits(self, node: TreeNode) -> bool:
-        """Whether `node`, leaving RAM, is worth writing to L2."""
+        """Whether `node` is worth writing to L2 (likely to be asked for again)."""
 
-    def write_node(self, node: TreeNode, first: int, count: int) -> np.ndarray:
-        """Write pages first .. first+count-1 of `node`'s path (its slots still hold the KV);
-        the page ids of the leading ones written (fewer when L2 is full)."""
+    @property
+    def num_free_pages(self) -> int: ...
+
+    def write_node(self, node: TreeNode, first: int, count: int, staged: bool) -> np.ndarray:
+        """Write pages first .. first+count-1 of `node`'s path into free pages; the page ids
+        of the leading ones written (fewer when L2 has too few free pages). Not `staged`: the
+        KV is copied now (the slots are freed next). `staged`: the KV is copied on the I/O
+        thread, and the tree calls `settle(node)` before it frees a slot of the node."""
+
+    def settle(self, node: TreeNode) -> None:
+        """`node`, holding pages, leaves RAM: finish copying its staged pages' KV out of its
+        slots (or copy it now) before they are freed."""
 
     def free_pages(self, pages: np.ndarray) -> None:
         """Give pages back once no node holds them."""
@@ -73,6 +82,7 @@ class TieredTree(RadixTree):
         self.num_l2_nodes = 0  # nodes held on L2 only
         self.num_l2_pages = 0  # pages held by nodes
         self.l2_evicted_pages = 0
+        self.l2_rejected_tokens = 0  # left RAM without being worth a write
 
     # -- match: the RAM prefix and its L2 continuation --------------------------------------
 
@@ -136,9 +146,52 @@ class TieredTree(RadixTree):
 
     # -- leaving and entering RAM -------------------------------------------------------------
 
+    # -- writing: through at finish, or as a node leaves RAM ----------------------------------
+
+    def write_through(self, node: TreeNode) -> int:
+        """A request ending at `node` finished: give the path down to its deepest node worth
+        keeping (admitted, or already holding pages) the pages it lacks now, copied off the
+        engine thread, so that RAM evicting them later frees their slots and writes nothing.
+        Where L2 runs out the node is split after its last written page (a node in RAM is
+        never cut) and the write ends. Returns the pages written. The caller holds a lock on
+        `node`."""
+        path: list[TreeNode] = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        keep = [i for i, n in enumerate(path) if n.pages is not None or self.store.admits(n)]
+        todo = [n for n in path[: keep[-1] + 1] if n.pages is None] if keep else []
+        if not todo:
+            return 0
+        self._make_room(path[-1], sum(_num_pages(n) for n in todo))
+        written, pageless = 0, list[TreeNode]()
+        for n in todo:
+            count = _num_pages(n)
+            if count == 0:  # no page ends here: the first page written below holds its tokens
+                pageless.append(n)
+                continue
+            pages = self.store.write_node(n, n.start // PAGE_TOKENS, count, staged=True)
+            if not len(pages):
+                break
+            if len(pages) < count:  # L2 is full: the written head becomes a node of its own
+                n = self._split(n, (n.start // PAGE_TOKENS + len(pages)) * PAGE_TOKENS - n.start)
+            for p in pageless:
+                self._set_pages(p, NO_SLOTS)
+            pageless.clear()
+            self._set_pages(n, pages)
+            written += len(pages)
+            if len(pages) < count:
+                break
+        return written
+
     def _leave_l1(self, node: TreeNode) -> None:
-        if node.pages is None and (node.l2_children or self.store.admits(node)):
+        if node.pages is not None:
+            self.store.settle(node)  # written through: its slots go once their KV is copied
+        elif node.l2_children or self.store.admits(node):
             self._write(node)
+        else:
+            self.l2_rejected_tokens += node.num_tokens
         if node.pages is None:
             for child in list(node.l2_children.values()):
                 self.drop_l2(child)  # unreachable without this node
@@ -160,7 +213,10 @@ class TieredTree(RadixTree):
         first, last = node.start // PAGE_TOKENS, node.depth // PAGE_TOKENS
         if last == first and not node.l2_children:
             return  # no page ends here and nothing below needs this node
-        pages = self.store.write_node(node, first, last - first) if last > first else NO_SLOTS
+        self._make_room(node, last - first)
+        pages = NO_SLOTS
+        if last > first:
+            pages = self.store.write_node(node, first, last - first, staged=False)
         if len(pages) < last - first:
             for child in list(node.l2_children.values()):
                 self.drop_l2(child)
@@ -270,6 +326,20 @@ class TieredTree(RadixTree):
 
     # -- helpers ------------------------------------------------------------------------------
 
+    def _make_room(self, node: TreeNode, num_pages: int) -> None:
+        """Free pages for `num_pages` of the path down to `node`, never the pages that path
+        holds already: a chain's end is worth nothing without its head."""
+        if num_pages <= self.store.num_free_pages:
+            return
+        held: list[TreeNode] = []
+        while node.parent is not None:
+            if node.pages is not None and not node.l2_pinned:
+                held.append(node)
+            node = node.parent
+        self.pin(tuple(held), True)
+        self.evict_l2(num_pages - self.store.num_free_pages)
+        self.pin(tuple(held), False)
+
     def _set_pages(self, node: TreeNode, pages: np.ndarray | None) -> None:
         parent = node.parent
         assert parent is not None
@@ -325,3 +395,8 @@ class TieredTree(RadixTree):
         from radixlm.cache.integrity import check_l2
 
         check_l2(self)
+
+
+def _num_pages(node: TreeNode) -> int:
+    """The L2 pages that end inside `node`'s edge."""
+    return node.depth // PAGE_TOKENS - node.start // PAGE_TOKENS

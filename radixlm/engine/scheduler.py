@@ -115,7 +115,7 @@ class Scheduler:
                 self.cache.finish_load(pending)  # its slots and lock go back
         elif req.state is RequestState.RUNNING:
             self.running.remove(req)
-            self._drop_kv(req)
+            self._drop_kv(req, finished=True)
 
     @property
     def num_waiting(self) -> int:
@@ -315,7 +315,7 @@ class Scheduler:
     def _retract(self, req: Request, out: SchedulerOutput) -> None:
         """Hand a running request's KV to the tree and requeue it at the front."""
         self.running.remove(req)
-        self._drop_kv(req)
+        self._drop_kv(req, finished=False)
         self._enqueue(req)
         self.waiting.appendleft(req)
         out.retracted.append(req)
@@ -327,11 +327,12 @@ class Scheduler:
         req.lookup_key = np.asarray(req.all_ids[:-1], dtype=np.int64)
         req.hint_version = None
 
-    def _drop_kv(self, req: Request) -> None:
-        """Commit what the request computed, then release: unlock, free what stays in flight."""
+    def _drop_kv(self, req: Request, finished: bool) -> None:
+        """Commit what the request computed, then release: unlock, free what stays in flight
+        (`finished`: done or aborted, not retracted)."""
         self._commit(req)
         assert req.node is not None
-        self.cache.release(req.node, req.slots[req.cached_len :])
+        self.cache.release(req.node, req.slots[req.cached_len :], finished)
         req.node = None
         req.slots = np.empty(0, dtype=np.int64)
         req.cached_len = 0
