@@ -118,8 +118,8 @@ def speed_table() -> str:
     transformers on the same weights, prefill and decode, with the CPU each was measured on."""
     lines = [
         "| kernels, dtype | prefill 128 / 1024 / 4096 tokens | decode batch 1 / 8 / 32 "
-        "| CPU, threads |",
-        "|---|---|---|---|",
+        "| prefill, of the matmul peak: ours / transformers | CPU, threads |",
+        "|---|---|---|---|---|",
     ]
     for path in sorted(BENCH.glob("model_*.json")):
         r = json.loads(path.read_text())
@@ -130,15 +130,33 @@ def speed_table() -> str:
         threads = r.get("threads", "?")
         cpu = f"{cpu_label(r.get('host'))}; {threads} thread{'' if threads == 1 else 's'}"
         lines.append(
-            f"| {r.get('isa', '?')}, {r.get('dtype', '?')} | {prefill} | {decode} | {cpu} |"
+            f"| {r.get('isa', '?')}, {r.get('dtype', '?')} | {prefill} | {decode} "
+            f"| {_peak_shares(r['prefill'])} | {cpu} |"
         )
     return (
         "\n".join(lines)
         + "\n\nSmolLM2-135M-Instruct; how many times faster than transformers on the same weights "
         "(`radixlm bench model`, one process, alternating rounds; decode with 1,024 tokens of "
         "context per request). The avx2 and generic rows force the variant with `RADIXLM_ISA` "
-        "and cap PyTorch to the same instruction set. Per-row figures: "
+        "and cap PyTorch to the same instruction set. Prefill is compute-bound: the share of "
+        "this host's matmul peak (a large `F.linear`, same threads, dtype and caps) bounds how "
+        "far ahead of transformers any engine can get (1 / transformers' share): where that is "
+        "under 1.5x, so is every engine's prefill. Per-row figures: "
         "[docs/benchmarks.md](docs/benchmarks.md#model-speed-against-transformers).\n"
+    )
+
+
+def _peak_shares(prefill: list[dict[str, Any]]) -> str:
+    """"ours / transformers" share of the matmul peak of the largest prefill row measured with a
+    peak (the rows before the roofline was recorded have none: "–")."""
+    rows = [x for x in prefill if "matmul_peak_gflop_s" in x and "transformers_gflop_s" in x]
+    if not rows:
+        return "–"
+    x = max(rows, key=lambda row: row["tokens"])
+    peak = x["matmul_peak_gflop_s"]
+    return (
+        f"{x['ours_gflop_s'] / peak:.0%} / {x['transformers_gflop_s'] / peak:.0%} "
+        f"({x['tokens']:,} tokens)"
     )
 
 
@@ -306,7 +324,15 @@ def model_section() -> str:
         "`radixlm bench model --json docs/bench/model_<variant>.json` times ours and "
         "transformers on the same weights in one process, alternating rounds and keeping each "
         "side's best; decode with a 1,024-token context per request. One block per kernel "
-        "variant (`RADIXLM_ISA`) and dtype.\n"
+        "variant (`RADIXLM_ISA`) and dtype.\n",
+        "Each block's roofline table puts every side's prefill in GFLOP/s next to the host's "
+        "matmul peak, a 2048 x 2048 x 2048 `F.linear` timed in the same alternating rounds "
+        "(same process, threads, dtype and instruction-set caps). The FLOPs of a prefill of n "
+        "tokens (`radixlm.bench.roofline.prefill_flops`; a multiply-add counts 2) are "
+        "2 n x the layers' weight elements, plus 4 D x n (n + 1) / 2 per head and layer for "
+        "causal attention, plus one logits row (2 x hidden x vocab): 0.21 GFLOP per token in "
+        "the layers for SmolLM2-135M. A prefill runs at most at the peak, so peak / "
+        "transformers' GFLOP/s is the most any engine can be ahead of it on that CPU.\n",
     ]
     for path in sorted(BENCH.glob("model_*.json")):
         result = json.loads(path.read_text())
@@ -339,6 +365,30 @@ def _model_block(name: str, result: dict[str, Any]) -> str:
         cells.append(f"{theirs / ours:.1f}x")
         if extra:
             cells.append(_opt(row.get("pytorch_ms"), "{:.1f} ms"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n" + _roofline_block(result["prefill"])
+
+
+def _roofline_block(prefill: list[dict[str, Any]]) -> str:
+    """Prefill GFLOP/s per side with its share of the matmul peak, and the ceiling over
+    transformers (peak / theirs); empty for runs that recorded no peak."""
+    rows = [x for x in prefill if "matmul_peak_gflop_s" in x]
+    if not rows:
+        return ""
+    sides = [s for s in ("ours", "pytorch", "transformers") if f"{s}_gflop_s" in rows[0]]
+    names = {"ours": "ours", "pytorch": "PyTorch path", "transformers": "transformers"}
+    lines = [
+        "\n| prefill | GFLOP | matmul peak | "
+        + " | ".join(names[s] for s in sides)
+        + " | ceiling over transformers |",
+        "|---|---:|---:|" + "---:|" * len(sides) + "---:|",
+    ]
+    for x in rows:
+        peak = x["matmul_peak_gflop_s"]
+        cells = [f"{x['tokens']:,} tokens", f"{x['gflop']:,.0f}", f"{peak:.0f} GFLOP/s"]
+        cells += [f"{x[f'{s}_gflop_s']:.0f} ({x[f'{s}_gflop_s'] / peak:.0%})" for s in sides]
+        theirs = x.get("transformers_gflop_s")
+        cells.append("–" if theirs is None else f"{peak / theirs:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -11,6 +11,10 @@ machine hurts both sides alike and rarely decides the ratio.
   bandwidth bytes a decode step must read (every weight once + the K/V of B x C tokens) / step
             time: the roofline number for a memory-bound step.
   pytorch   ours with the native kernels off (as RADIXLM_NATIVE=0 runs): PyTorch ops + oneDNN.
+  roofline  each prefill row's GFLOP/s per side (roofline.prefill_flops / time) next to this
+            host's matmul peak, a large F.linear timed in the same rounds (same threads, dtype
+            and ISA caps): the fraction of the peak each side reaches, and so how far ahead of
+            transformers any engine could get on this CPU.
 The JSON names the kernel variant that ran (`kernels.isa`; force one with RADIXLM_ISA) and the
 CPU (model name and ISA flags); each row carries ours' speedup over the other sides.
 `--profile` prints a torch.profiler table of one prefill and one decode step of ours.
@@ -30,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixlm.bench import roofline
 from radixlm.bench.host import describe_host
 from radixlm.cache.kv_pool import KVPool
 from radixlm.model import native, native_build
@@ -83,12 +88,10 @@ def run(args: argparse.Namespace) -> int:
     results.update(torch=torch.__version__, prefill=[], decode=[])
     print(f"model {path}  dtype {args.dtype}  threads {threads}  rounds {args.rounds}")
     print(f"kernels {results['kernels']}  cpu {results['cpu']['model']}")
+    results["matmul_peak"] = f"F.linear {roofline.PEAK_SIZE}^3, {args.dtype}, {threads} threads"
     with torch.inference_mode():
         for n in (int(x) for x in args.prefill_lens.split(",")):
-            timers = {name: _prefill_timer(model, name, n) for name, model in sides.items()}
-            best = _alternate(timers, args.rounds if n <= 1024 else max(1, args.rounds - 1))
-            row = {"tokens": n, **{f"{name}_tok_s": n / t for name, t in best.items()}}
-            _add_speedups(row, "tok_s", higher_is_better=True)
+            row = _prefill_row(sides, n, args)
             results["prefill"].append(row)
             _print_row("prefill", row)
         for b in (int(x) for x in args.decode_batches.split(",")):
@@ -171,6 +174,21 @@ def _prefill_timer(model: Any, side: str, n: int) -> Timer:
     pool = _pool(model, n)
     slots, empty = pool.alloc(n), np.zeros(0, dtype=np.int64)
     return _timed(lambda: model(ForwardBatch.build([ids], [empty], [slots]), pool))
+
+
+def _prefill_row(sides: dict[str, Any], n: int, args: argparse.Namespace) -> dict:
+    """One prefill of n tokens per side, and the matmul peak, in the same alternating rounds."""
+    timers = {name: _prefill_timer(model, name, n) for name, model in sides.items()}
+    timers["matmul_peak"] = roofline.matmul_peak_timer(DTYPES[args.dtype])
+    best = _alternate(timers, args.rounds if n <= 1024 else max(1, args.rounds - 1))
+    peak_s = best.pop("matmul_peak")
+    row: dict[str, Any] = {"tokens": n, **{f"{name}_tok_s": n / t for name, t in best.items()}}
+    _add_speedups(row, "tok_s", higher_is_better=True)
+    flops = roofline.prefill_flops(sides["ours"].config, n)
+    row["gflop"] = flops.total / 1e9
+    row.update({f"{name}_gflop_s": flops.total / t / 1e9 for name, t in best.items()})
+    row["matmul_peak_gflop_s"] = roofline.PEAK_FLOPS / peak_s / 1e9
+    return row
 
 
 def _decode_row(sides: dict[str, Any], batch_size: int, args: argparse.Namespace) -> dict:
