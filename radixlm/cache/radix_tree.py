@@ -113,23 +113,27 @@ class RadixTree:
     def peek(self, tokens: TokenIds, namespace: Namespace = None) -> int:
         """Length of the longest cached prefix (whole pages), changing nothing: no split, no
         LRU touch, no stats. For ordering queues; use `match` to actually reuse the prefix."""
+        return self._peek(self._page_bytes_of(_as_ids(tokens)), namespace)[1]
+
+    def _peek(self, buf: bytes, namespace: Namespace) -> tuple[TreeNode | None, int]:
+        """`peek` of `buf` (int64 bytes, whole pages): the node the prefix ends at (None when
+        it ends inside an edge, or the namespace has no root) and its length in tokens."""
         node = self._roots.get(namespace)
         if node is None:
-            return 0
-        buf = self._page_bytes_of(_as_ids(tokens))
+            return None, 0
         pos, end, page_b = 0, len(buf), self._page_bytes
         while pos < end:
             child = node.children.get(buf[pos : pos + page_b])
             if child is None:
                 break
             if not buf.startswith(child.key, pos):
-                return pos // TOKEN_BYTES + self._common_len(child.key, buf, pos)
+                return None, pos // TOKEN_BYTES + self._common_len(child.key, buf, pos)
             pos += len(child.key)
             node = child
-        return pos // TOKEN_BYTES
+        return node, pos // TOKEN_BYTES
 
     @property
-    def version(self) -> tuple[int, int]:
+    def version(self) -> tuple[int, ...]:
         """Changes whenever tokens enter or leave the tree (a `peek` may then differ)."""
         return (self._inserted_tokens, self._evicted_tokens)
 

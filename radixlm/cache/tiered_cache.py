@@ -151,6 +151,10 @@ class TieredRadixCache(RadixCache):
         load = self._start(ids, namespace, tm) if tm.chain else None
         return tm.l1 if load is None else self._finish(load)
 
+    def peek(self, tokens: TokenIds, namespace: Namespace = None) -> int:
+        """The length `match` would return: the RAM prefix and what it would load from L2."""
+        return self.tree.peek_tiers(tokens, namespace)
+
     def match_or_load(
         self, tokens: TokenIds, namespace: Namespace = None
     ) -> MatchResult | PendingMatch:

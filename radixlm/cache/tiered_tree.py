@@ -121,6 +121,31 @@ class TieredTree(RadixTree):
             c.last_access = self._clock
         return TierMatch(m, tuple(chain), end)
 
+    def peek_tiers(self, tokens: TokenIds, namespace: Namespace = None) -> int:
+        """The length `match_tiers` would end at (the RAM prefix, or its L2 continuation to a
+        page boundary), changing nothing. A chain another load is reading counts too: a
+        request that runs into it waits for that load and computes none of it."""
+        buf = self._page_bytes_of(np.asarray(tokens, dtype=np.int64))
+        node, length = self._peek(buf, namespace)
+        if node is None or not node.l2_children:
+            return length
+        pos, page_b = length * TOKEN_BYTES, self._page_bytes
+        while pos < len(buf):
+            child = node.l2_children.get(buf[pos : pos + page_b])
+            if child is None:
+                break
+            if not buf.startswith(child.key, pos):
+                pos += self._common_len(child.key, buf, pos) * TOKEN_BYTES
+                break
+            pos += len(child.key)
+            node = child
+        return max(length, pos // TOKEN_BYTES // PAGE_TOKENS * PAGE_TOKENS)
+
+    @property
+    def version(self) -> tuple[int, ...]:
+        """Changes whenever a `peek` or `peek_tiers` result may have changed."""
+        return (*super().version, self.num_l2_pages, self.l2_evicted_pages)
+
     def promote(self, match: TierMatch, end: int, slots: np.ndarray) -> MatchResult:
         """The chain's KV up to `end` (a page boundary) was loaded into `slots` (tokens
         match.l1.length .. end): those nodes join L1. Returns the lengthened match."""

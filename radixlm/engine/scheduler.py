@@ -224,7 +224,14 @@ class Scheduler:
 
     def _waiting_order(self) -> list[Request]:
         """FCFS, or LPM: requests past the age bound first (oldest first), then the longest
-        cached prefix first (ties by arrival)."""
+        cached prefix first (ties by arrival).
+
+        The cached prefix is what the request will not compute: its RAM prefix and the L2
+        continuation its match would load (`cache.peek`), L2 tokens counted in full. Ranking
+        a request ahead only starts its load (it is admitted when the reads are done, others
+        compute meanwhile), and a page read costs about 1 % of recomputing it, so an L2 token
+        saves as much prefill as an L1 token does; a discount would only start its load later
+        and leave the disk idle while the engine computes."""
         if self.config.policy == "fcfs":
             return list(self.waiting)
         aged = [r for r in self.waiting if r.wait_steps >= self.config.max_wait_steps]
