@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 NPROC  := $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: run test lint typecheck pytest kernels bench-cache browser clean
+.PHONY: run test lint typecheck pytest kernels bench-cache browser test-avx2-emulated clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,20 @@ pytest: kernels browser
 browser:
 	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium) \
 		|| echo "chromium could not be installed: the /cache page's browser test will skip"
+
+# The kernel and numerics tests on an emulated CPU without AVX-512 (qemu-user's Haswell: AVX2 +
+# FMA), the nearest an AVX-512 host gets to an AVX2-only machine: an AVX-512 instruction anywhere
+# (our avx2 build, PyTorch, oneDNN) stops the run with SIGILL. About 10 minutes on 2 cores.
+QEMU_CPU := Haswell-noTSX,-pcid,-x2apic,-tsc-deadline,-invpcid
+EMULATED_TESTS := tests/test_cpu_flags.py tests/test_native_kernel.py \
+	tests/test_model_numerics.py tests/test_default_dtype.py
+test-avx2-emulated: kernels
+	@command -v qemu-x86_64 >/dev/null || (apt-get update -qq && apt-get install -y -qq qemu-user)
+	qemu-x86_64 -cpu $(QEMU_CPU) $(PY) -c \
+		'from radixlm.model import native; k = native.kernels(); print("kernels:", k.isa); \
+		assert k.isa == "avx2"'
+	OMP_NUM_THREADS=1 qemu-x86_64 -cpu $(QEMU_CPU) $(PY) -m pytest -q -p no:cacheprovider \
+		$(EMULATED_TESTS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
