@@ -68,7 +68,7 @@ class TurnCreditPolicy:
 
     name = "turn-credit"
 
-    def __init__(self, credit: float = 10.0, max_level: int = 6) -> None:
+    def __init__(self, credit: float = 7.5, max_level: int = 8) -> None:
         if credit < 0 or max_level < 0:
             raise ValueError("credit and max_level must be >= 0")
         self.credit = credit
