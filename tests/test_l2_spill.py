@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -158,3 +159,27 @@ def test_a_load_that_an_insert_overtakes_is_aborted(tmp_path: Path) -> None:
     cache.check_integrity()
     assert ticket.ready() and cache.finish_load(ticket).length == len(A)
     assert loaded(cache, A) == len(A)
+
+
+def test_a_staged_page_dropped_before_its_copy_never_waits_for_the_disk(tmp_path: Path) -> None:
+    cache = make_cache(tmp_path, num_pages=4)
+    put(cache, A)
+    disk, fast = threading.Event(), cache.l2._pwrite
+
+    def stuck(page: int, key: bytes, payload: Callable[[], object]) -> None:
+        disk.wait(10.0)  # the disk hangs before any staged page is gathered
+        fast(page, key, payload)  # type: ignore[arg-type]
+
+    cache.l2._pwrite = stuck  # type: ignore[method-assign]
+    m = cache.tree.match(A)
+    cache.lock(m.node)
+    assert cache.tree.write_through(m.node) == 3 and cache.l2.num_free == 1
+    cache.unlock(m.node)
+    t0 = time.perf_counter()
+    assert cache.tree.flush_l2() == 3  # RAM keeps A: L2 drops its copy, uncopied pages free
+    assert time.perf_counter() - t0 < 5.0 and cache.l2.num_free == 4
+    cache.check_integrity()
+    disk.set()
+    cache.flush()  # A leaves RAM unwritten (its copy was dropped): written now, and loads
+    cache.l2._pwrite = fast  # type: ignore[method-assign]
+    assert loaded(cache, A) == 3 * PAGE_TOKENS and cache.l2_bad_pages == 0

@@ -123,11 +123,11 @@ class TieredRadixCache(RadixCache):
     def free_pages(self, pages: np.ndarray) -> None:
         for page in pages.tolist():
             stage = self._staged.pop(page, None)
-            if stage is not None:
-                stage.settle()  # a staged write not started yet never will be
             pending = self._pending.pop(page, None)
-            if pending is not None:
-                _wait(pending)  # a page is reused only once its last write is done
+            # A page is reused only once its last write is done; a staged one that was not
+            # copied yet never writes (no wait behind a slow disk for it).
+            if pending is not None and (stage is None or stage.settle()):
+                _wait(pending)
             self.l2.free(page)
 
     def release(self, node: TreeNode, in_flight_slots: np.ndarray, finished: bool = True) -> None:
