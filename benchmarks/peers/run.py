@@ -232,9 +232,10 @@ def _merge_rounds(rounds: list[dict[str, Any]], asked: int, run_id: str) -> dict
         "round_protocol": "engines alternate, reversed on odd rounds; a fresh server per "
         "round, same workload seed",
     }
+    # the commit per round: each round restarts the server from the working tree
     merged["rounds"] = [
-        {"index": r["round"]["index"], "started": r["started"], "summary": r["summary"],
-         "contention": r["contention"]}
+        {"index": r["round"]["index"], "started": r["started"], "commit": r["host"].get("commit"),
+         "summary": r["summary"], "contention": r["contention"]}
         for r in rounds
     ]  # fmt: skip
     return merged
