@@ -297,3 +297,20 @@ def test_a_finish_into_a_full_l2_writes_the_head_and_splits_there() -> None:
     assert h.store.eviction_writes == 0  # the tail found no room either: it is dropped
     h.load(A)
     assert h.tree.match(A).length == 2 * PAGE_TOKENS
+
+
+def test_l2_drops_a_copy_of_ram_before_a_node_that_just_left_ram() -> None:
+    h = Harness(admit=True, num_pages=6)
+    old = np.arange(3 * PAGE_TOKENS, dtype=np.int64)
+    young = np.arange(7000, 7000 + 3 * PAGE_TOKENS, dtype=np.int64)
+    for seq in (old, young):
+        h.insert(seq)
+        h.finish(seq)  # both written through: 6 pages, L2 is full
+    h.tree.match(np.arange(9000, 9064, dtype=np.int64))  # time passes (a miss)
+    h.free.update(h.tree.evict(len(old)).slots.tolist())  # RAM lets the older one go
+    h.insert(np.arange(8000, 8000 + PAGE_TOKENS, dtype=np.int64))
+    h.finish(np.arange(8000, 8000 + PAGE_TOKENS, dtype=np.int64))  # needs a page
+    h.check()
+    # `young` was used after `old`, but it is still in RAM: its copy goes, not `old`'s pages
+    assert h.tree.peek_tiers(old) == len(old) and h.tree.peek(old) == 0
+    assert h.tree.peek(young) == len(young) and h.tree.num_l2_pages == 4

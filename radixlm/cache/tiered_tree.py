@@ -15,8 +15,9 @@ Moving between tiers:
 - `match_tiers` walks L1 as `match` does, then continues through `l2_children` and ends the
   continuation on a page boundary; `promote` gives the loaded nodes their new slots.
 - An insert that runs into an L2 node claims it with the inserted slots (its pages stay).
-- L2 evicts leaf-first (no child with pages) in LRU order from a lazy heap: an L1+L2 node
-  drops its copy; an L2-only leaf gives up its last pages (chains shrink from their ends).
+- L2 evicts leaf-first (no child with pages) in LRU order from a lazy heap, an L2-only node
+  aged from when it left RAM: an L1+L2 node drops its copy; an L2-only leaf gives up its last
+  pages (chains shrink from their ends).
 
 Invariants (`check_l2` in cache/integrity.py): besides those of RadixTree, a node without slots
 holds pages, no lock and only L2 children, and ends on a page boundary or has a child (whose
@@ -228,6 +229,9 @@ class TieredTree(RadixTree):
         del parent.children[first]
         parent.l2_children[first] = node
         node.value = NO_SLOTS
+        # Its L2 age starts now: RAM's policy decided how long it stayed there, and a copy of
+        # a node still in RAM (older, and free to drop) goes before it.
+        node.last_access = self._clock
         self.num_nodes -= 1
         self.num_l2_nodes += 1
         self._settle(node)
