@@ -38,12 +38,21 @@ def test_a_later_turn_comes_back_from_l2_and_a_first_turn_is_not_written() -> No
     ram = replay(trace, capacity=100, eval_start=4).summary()
     tiered = replay(trace, capacity=100, l2_capacity=1000, eval_start=4).summary()
     assert ram["eval_token_hit_rate"] == tiered["eval_l1_hit_rate"] == 0.0
-    # turn 2's whole path (56 tokens) was written when L1 evicted it; turn 1 alone was not
+    # turn 2's whole path (56 tokens) was written as it finished; turn 1 alone was not
     assert tiered["eval_l2_hit_tokens"] == len(turn(1, 2))
     assert tiered["l2_bytes_read"] == len(turn(1, 2)) * KV_BYTES_PER_TOKEN
     assert tiered["l2_bytes_written"] >= tiered["l2_bytes_read"]
     assert tiered["l2_rejected_tokens"] > 0  # the fillers and turn 1 (first turns, no hits)
     assert tiered["eval_token_hit_rate"] == round(len(turn(1, 2)) / len(turn(1, 3)), 4)
+
+
+def test_a_finished_turn_is_written_through_and_its_eviction_writes_nothing() -> None:
+    done = replay([request(turn(1, 1)), request(turn(1, 2))], l2_capacity=1000)
+    assert done.l2 is not None and done.l2.tree.num_tokens == len(turn(1, 2))  # no eviction yet
+    trace = [request(turn(1, 1)), request(turn(1, 2)), filler(1), filler(2)]
+    s = replay(trace, capacity=100, l2_capacity=1000).summary()
+    assert s["evicted_tokens"] >= len(turn(1, 2))  # L1 dropped the conversation...
+    assert s["l2_bytes_written"] == len(turn(1, 2)) * KV_BYTES_PER_TOKEN  # ...and wrote nothing
 
 
 def test_l2_evicts_to_its_capacity_leaf_first() -> None:

@@ -11,7 +11,8 @@ two are comparable on the same trace):
     with --inflight W: lock the inserted node, unlock it W requests later
 
 `--eviction` picks the L1 policy (lru | turn-credit | gdsf); `--l2-capacity` adds a simulated
-disk tier (bench/l2_sim.py) whose hits count separately. `--eval-from F` counts hits only over
+disk tier (bench/l2_sim.py: written through as each request finishes, or at L1 eviction) whose
+hits count separately. `--eval-from F` counts hits only over
 the requests after the first fraction F (tune on the head of a trace, report on its tail), and
 `--belady` adds, at the same capacity, LRU and Belady's clairvoyant hit rate (bench/belady.py)
 and the share of the LRU -> Belady gap that the chosen policy closes in RAM alone.
@@ -164,6 +165,8 @@ def replay(
         t0 = clock()
         inserted = tree.insert(full, slots)
         res.insert_s.append(clock() - t0)
+        if l2 is not None:
+            l2.on_finish(inserted.node)
         cached += aligned - inserted.prefix_len
         if inflight > 0:
             t0 = clock()

@@ -1,13 +1,15 @@
 """The L2 (disk) tier as `bench cache` simulates it: which tokens it holds, hits, bytes moved.
 
-L1 is the replayed RadixTree. Each node it evicts that is *likely to come back* is written to
-L2 (admission: a node that had a hit, a conversation's second turn or later, or a first turn
-when at least `admit_rate` of first turns have come back so far: one-shot traffic never
-reaches the disk, chat traffic whose first turns often return does); L2 is a
-second tree over the same tokens with its own capacity and leaf-first LRU eviction. A request
-whose L1 match stops early and whose prompt continues in L2 reads that continuation back:
-those tokens are L2 hits (loaded, not recomputed). Writing a node writes the part of its path
-that L2 does not hold yet, so L2 stays prefix-closed, as the served tier must be to be useful.
+L1 is the replayed RadixTree. As the served tier does (cache/tiered_tree.py), a finished
+request's path is written through down to its deepest node *likely to come back*, and a node L1
+evicts is written then if it was not yet and aged from then (admission: a node that had a hit,
+a conversation's second turn or later, or a first turn when at least `admit_rate` of first
+turns have come back so far: one-shot traffic never reaches the disk, chat traffic whose first
+turns often return does). L2 is a second tree over the same tokens with its own capacity and
+leaf-first LRU eviction. A request whose L1 match stops early and whose prompt continues in L2
+reads that continuation back: those tokens are L2 hits (loaded, not recomputed). Writing a
+node writes the part of its path that L2 does not hold yet, so L2 stays prefix-closed, as the
+served tier must be to be useful.
 """
 
 from __future__ import annotations
@@ -47,12 +49,23 @@ class L2Sim:
         rate = self.turns.return_rate(node.turn)
         return rate is not None and rate >= self.admit_rate
 
+    def on_finish(self, node: TreeNode) -> None:
+        """A request ending at `node` finished: write its path down to the deepest node worth
+        keeping (TieredTree.write_through)."""
+        while node.parent is not None and not self.admits(node):
+            node = node.parent
+        if node.parent is not None:
+            self._write(_path_tokens(node))
+
     def on_l1_evict(self, node: TreeNode) -> None:
-        """The L1 tree's eviction listener: write `node` (and what L2 lacks of its path)."""
+        """The L1 tree's eviction listener: write what L2 lacks of `node`'s path (nothing if it
+        was written through) and touch it: its L2 age starts when it leaves RAM."""
         if not self.admits(node):
             self.rejected_tokens += len(node.value)
             return
-        path = _path_tokens(node)
+        self._write(_path_tokens(node))
+
+    def _write(self, path: np.ndarray) -> None:
         slots = np.arange(self._next_slot, self._next_slot + len(path), dtype=np.int64)
         self._next_slot += len(path)
         present = self.tree.insert(path, slots).prefix_len
