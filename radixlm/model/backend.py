@@ -9,12 +9,24 @@ variant, or None with RADIXLM_NATIVE=0 or no compiler). Three forward paths foll
                           (attention, rope + K/V store, add + norm, SiLU, skinny matmuls)
     PyTorch reference     Backend() (no kernels): PyTorch ops, oneDNN matmuls, SDPA
 
-Nothing in a forward re-derives this from flags; the one question a forward still asks is
-whether its pool holds K/V the kernels read (`for_pool`).
+Matmuls go by their number of rows, a rule fixed at load per variant (`onednn_packs`, then
+`Backend.native_linear_rows` from Kernels.runs_linear):
+
+    rows            avx512                avx2                  generic
+    1-64 (decode)   skinny_linear         skinny_linear         skinny_linear
+    more (prefill)  skinny_linear tiles   oneDNN, packed W      F.linear, dense W (MKL)
+
+and where oneDNN cannot pack the weights' dtype (bfloat16 without AVX512-BW), skinny_linear
+takes every row: PyTorch's dense bfloat16 matmuls are slower still. The PyTorch path packs for
+oneDNN by the same rule (`onednn_packs`), so on generic it multiplies as transformers does.
+
+Nothing in a forward re-derives this from flags; the questions a forward still asks are
+whether its pool holds K/V the kernels read (`for_pool`) and how many rows a matmul has.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -22,7 +34,7 @@ import torch
 
 from radixlm.cache.kv_pool import KVPool
 from radixlm.config import DType
-from radixlm.model import native
+from radixlm.model import native, native_build
 
 if TYPE_CHECKING:
     from radixlm.model.transformer import CausalLM, DecoderLayer
@@ -88,6 +100,9 @@ class Backend:
 
     kernels: native.Kernels | None = None  # the native kernels, or None: PyTorch ops
     fused: FusedDecode | None = None  # pure decode steps in one native call, where it applies
+    # matmuls of up to this many rows go through skinny_linear, larger ones through the weight's
+    # own path (oneDNN for a packed weight, else F.linear); 0 without kernels
+    native_linear_rows: int = 0
 
     @classmethod
     def choose(cls, model: CausalLM, kernels: native.Kernels | None) -> Backend:
@@ -103,7 +118,8 @@ class Backend:
             or c.head_dim > native.MAX_HEAD_DIM
         ):
             return cls()
-        return cls(kernels, FusedDecode(model, kernels) if FusedDecode.applies(model) else None)
+        fused = FusedDecode(model, kernels) if FusedDecode.applies(model) else None
+        return cls(kernels, fused, _native_linear_rows(model, kernels))
 
     def for_pool(self, pool: KVPool) -> Backend:
         """This backend for a forward over `pool`: the PyTorch path where the kernels cannot
@@ -112,6 +128,31 @@ class Backend:
 
 
 PYTORCH = Backend()
+ALL_ROWS = sys.maxsize
+
+
+def onednn_packs(kernels: native.Kernels | None) -> bool:
+    """Whether a model's weights are packed for oneDNN on this CPU: on the variants whose
+    oneDNN kernels beat F.linear on dense weights. Not on generic CPUs (no AVX2), where oneDNN's
+    SSE4.1 matmuls run the model's prefill shapes slower than MKL's sgemm on dense weights, and
+    its decode rows no faster. Without kernels: the variant they would run (RADIXLM_NATIVE=0
+    keeps the PyTorch path on the same matmuls as the kernels' prefill)."""
+    isa = kernels.isa if kernels is not None else native_build.chosen_variant().name
+    return isa != "generic"
+
+
+def _native_linear_rows(model: CausalLM, kernels: native.Kernels) -> int:
+    """How many rows skinny_linear multiplies at most (see the module's table): decode batches
+    on every variant (Kernels.runs_linear), and with them the fused decode step, which has only
+    skinny_linear. Prefill chunks where the kernels' own rule says their tiles beat oneDNN or
+    nothing else is fast; never over dense float32 weights, which F.linear (MKL's sgemm)
+    multiplies faster than the generic tiles."""
+    weight = model.lm_head.weight
+    if not weight.is_mkldnn and weight.dtype == torch.float32:
+        return native.NATIVE_LINEAR_ROWS
+    if kernels.runs_linear(ALL_ROWS, onednn_packed=weight.is_mkldnn):
+        return ALL_ROWS
+    return native.NATIVE_LINEAR_ROWS
 
 
 def default_dtype(device: str) -> DType:

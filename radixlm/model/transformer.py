@@ -29,7 +29,7 @@ from radixlm.cache.kv_pool import KVPool
 from radixlm.model import native, packed_linear
 from radixlm.model.arch import ArchConfig
 from radixlm.model.attention import AttentionPlan, attend
-from radixlm.model.backend import PYTORCH, Backend
+from radixlm.model.backend import PYTORCH, Backend, onednn_packs
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
@@ -46,13 +46,16 @@ FUSED_WEIGHTS = {
 class Linear(nn.Module):
     """y = x W^T (+ b), W (out, in), allocated uninitialized (the loader fills it).
 
-    After `pack`, W is held in oneDNN's layout, and (with the native kernels) also in the skinny
-    kernel's, which the rows `Kernels.runs_linear` picks then go through (decode batches stream
-    it faster than oneDNN multiplies it). The oneDNN copy serves the PyTorch path and the rows
-    the kernels leave to oneDNN: a second copy of the weights, memory for speed."""
+    After `pack`, W is held in oneDNN's layout (where that pays, backend.onednn_packs), and
+    (with the native kernels) also in the skinny kernel's, which matmuls of up to
+    `native_rows` rows then go through (decode batches stream it faster than oneDNN or MKL
+    multiply it). The other copy serves the PyTorch path and the rows the kernels leave to
+    oneDNN or F.linear: a second copy of the weights, memory for speed."""
 
     skinny: torch.Tensor | None = None  # W for native.Kernels.skinny_linear
-    skinny_kernels: native.Kernels | None = None  # the model's backend's (CausalLM.use_kernels)
+    # the model's backend's kernels and row limit (CausalLM.use_kernels; Backend.native_linear_rows)
+    skinny_kernels: native.Kernels | None = None
+    native_rows: int = 0
 
     def __init__(
         self,
@@ -70,27 +73,30 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernels, skinny = self.skinny_kernels, self.skinny
-        rows = x.dim() == 2 and x.shape[0] > 0
         if (
             kernels is not None
             and skinny is not None
-            and rows
+            and x.dim() == 2
+            and 0 < x.shape[0] <= self.native_rows
             and x.dtype == skinny.dtype
-            and kernels.runs_linear(x.shape[0], self.weight.is_mkldnn)
         ):
             y = kernels.skinny_linear(x.contiguous(), skinny)
             return y if self.bias is None else y + self.bias
         return packed_linear.linear(x, self.weight, self.bias)
 
     def pack(
-        self, kernels: native.Kernels | None = None, arena: hugepages.Arena | None = None
+        self,
+        kernels: native.Kernels | None = None,
+        arena: hugepages.Arena | None = None,
+        onednn: bool = True,
     ) -> None:
-        """Hold the weight in oneDNN's blocked layout (see packed_linear); unties a tied one.
-        With `kernels`, also keep it in the skinny kernel's layout (in `arena` if given), which
-        forward uses once the model's backend has those kernels."""
+        """Hold the weight in oneDNN's blocked layout (see packed_linear) if `onednn`; unties a
+        tied one either way. With `kernels`, also keep it in the skinny kernel's layout (in
+        `arena` if given), which forward uses once the model's backend has those kernels."""
         if kernels is not None:
             self.skinny = native.pack_skinny(self.weight, arena)
-        self.weight = nn.Parameter(packed_linear.pack_weight(self.weight), False)
+        dense = self.weight.detach().contiguous()
+        self.weight = nn.Parameter(packed_linear.pack_weight(dense) if onednn else dense, False)
 
 
 class Embedding(nn.Module):
@@ -249,6 +255,7 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.skinny_kernels = None if module.skinny is None else self.backend.kernels
+                module.native_rows = self.backend.native_linear_rows
         return self.backend
 
     @property
@@ -257,8 +264,9 @@ class CausalLM(nn.Module):
         return self.backend.kernels is not None
 
     def pack_weights(self, kernels: native.Kernels | None) -> bool:
-        """Pack every Linear for oneDNN when the device and dtype allow (and, with `kernels`,
-        for the skinny kernel too), then choose the backend for them; True if packed."""
+        """Pack every Linear for oneDNN when the device and dtype allow and it pays on this CPU
+        (backend.onednn_packs), and, with `kernels`, for the skinny kernel too; then choose the
+        backend for them. True if packed."""
         weight = self.model.embed_tokens.weight
         if not packed_linear.can_pack(weight.device, weight.dtype):
             return False
@@ -271,8 +279,9 @@ class CausalLM(nn.Module):
                 if native.can_pack_skinny(m.weight)
             ]
             arena = hugepages.Arena(sum(sizes))
+        onednn = onednn_packs(kernels)
         for module in linears:
-            module.pack(kernels, arena)
+            module.pack(kernels, arena, onednn)
         self.use_kernels(kernels)  # a fused decode step holds the packed weights' addresses
         return True
 
@@ -286,9 +295,11 @@ class CausalLM(nn.Module):
         # the native rope_store computes in float32 whatever the model's dtype
         rope_dtype = torch.float32 if kernels is not None and not c.qk_norm else h.dtype
         rope = rope_cos_sin(batch.positions, self.inv_freq, rope_dtype)
-        if backend.fused is not None and batch.is_pure_decode and plan.decode is not None:
+        fused = backend.fused is not None and batch.is_pure_decode
+        # a batch larger than skinny_linear takes (the only matmul decode_step.c has) loops
+        if fused and plan.decode is not None and h.shape[0] <= backend.native_linear_rows:
             layout = plan.decode.layout
-            assert layout is not None  # built for the native kernels
+            assert layout is not None and backend.fused is not None  # native kernels
             x = backend.fused.run(h, rope, batch.out_slots, layout, pool)
         else:
             ctx = ForwardContext(backend, plan, rope, batch.out_slots, pool)
