@@ -8,7 +8,8 @@ import pytest
 
 from radixlm.cache.integrity import IntegrityError
 from radixlm.cache.kv_pool import KVPool, OutOfSlotsError, SlotAllocator
-from radixlm.cache.prefix_cache import NoCache, PrefixCache, RadixCache, create_prefix_cache
+from radixlm.cache.no_cache import NoCache
+from radixlm.cache.prefix_cache import PrefixCache, RadixCache, create_prefix_cache
 from radixlm.config import CacheConfig
 
 

@@ -13,7 +13,8 @@ counter. A request's life, as the engine drives it:
     c = cache.commit(tokens, slots, ns, node)                 # after each prefill chunk / finish
     cache.release(c.node, c.slots[c.cached_len:])             # finish or abort
 
-`RadixCache` shares prefixes; `NoCache` has the same interface and never reuses (the ablation).
+`RadixCache` shares prefixes; `NoCache` (cache/no_cache.py) has the same interface and never
+reuses (the ablation).
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ from radixlm.cache.kv_pool import OutOfSlotsError
 from radixlm.cache.radix_tree import MatchResult, Namespace, RadixTree, TreeNode
 from radixlm.cache.tree_node import TokenIds
 from radixlm.config import CacheConfig
-
-_NO_SLOTS = np.empty(0, dtype=np.int64)
 
 
 class SlotPool(Protocol):
@@ -307,63 +306,6 @@ class RadixCache(PrefixCache):
         )
 
 
-class NoCache(PrefixCache):
-    """The same interface with no sharing: match finds nothing, every slot stays in flight
-    until `release`. Serves the cache-off ablation."""
-
-    shares_prefixes = False
-
-    def __init__(self, pool: SlotPool) -> None:
-        super().__init__(pool)
-        self._root = RadixTree().root()  # the node every match returns; locks are no-ops
-        self._num_queries = self._queried_tokens = 0
-
-    def match(self, tokens: TokenIds, namespace: Namespace = None) -> MatchResult:
-        self._num_queries += 1
-        self._queried_tokens += len(tokens)
-        return MatchResult(0, _NO_SLOTS, self._root)
-
-    def peek(self, tokens: TokenIds, namespace: Namespace = None) -> int:
-        return 0
-
-    @property
-    def version(self) -> object:
-        return 0
-
-    def lock(self, node: TreeNode) -> None:
-        """Nothing is shared, so nothing needs pinning."""
-
-    def unlock(self, node: TreeNode) -> None:
-        """Nothing is shared, so nothing was pinned."""
-
-    def commit(
-        self, tokens: TokenIds, slots: np.ndarray, namespace: Namespace, node: TreeNode
-    ) -> CommitResult:
-        if len(tokens) != len(slots):
-            raise ValueError(f"{len(tokens)} tokens but {len(slots)} slots")
-        return CommitResult(self._root, slots, 0)
-
-    def release(self, node: TreeNode, in_flight_slots: np.ndarray, finished: bool = True) -> None:
-        self._free_in_flight(np.asarray(in_flight_slots, dtype=np.int64))
-
-    def evict(self, num_tokens: int) -> int:
-        return 0
-
-    @property
-    def num_evictable(self) -> int:
-        return 0
-
-    @property
-    def num_protected(self) -> int:
-        return 0
-
-    def stats(self) -> CacheStats:
-        return CacheStats(
-            self._num_queries, self._queried_tokens, 0, 0, 0, 0,
-            self.num_free, 0, 0, self.num_in_flight, self.capacity,
-        )  # fmt: skip
-
-
 def create_prefix_cache(config: CacheConfig, pool: SlotPool) -> PrefixCache:
     """The cache named by `config.cache` ("radix" or "none") over `pool`; with `l2_dir`, the
     radix cache gets an L2 tier (cache/tiered_cache.py), or none if its file cannot be made."""
@@ -375,4 +317,6 @@ def create_prefix_cache(config: CacheConfig, pool: SlotPool) -> PrefixCache:
             return tiered
     if config.cache == "radix":
         return RadixCache(pool, page_size=config.page_size, policy=config.eviction)
+    from radixlm.cache.no_cache import NoCache
+
     return NoCache(pool)
