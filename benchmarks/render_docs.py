@@ -378,14 +378,14 @@ def _roofline_block(prefill: list[dict[str, Any]]) -> str:
     sides = [s for s in ("ours", "pytorch", "transformers") if f"{s}_gflop_s" in rows[0]]
     names = {"ours": "ours", "pytorch": "PyTorch path", "transformers": "transformers"}
     lines = [
-        "\n| prefill | GFLOP | matmul peak | "
-        + " | ".join(names[s] for s in sides)
+        "\n| prefill | GFLOP | matmul peak, GFLOP/s | "
+        + " | ".join(f"{names[s]}, GFLOP/s (of peak)" for s in sides)
         + " | ceiling over transformers |",
         "|---|---:|---:|" + "---:|" * len(sides) + "---:|",
     ]
     for x in rows:
         peak = x["matmul_peak_gflop_s"]
-        cells = [f"{x['tokens']:,} tokens", f"{x['gflop']:,.0f}", f"{peak:.0f} GFLOP/s"]
+        cells = [f"{x['tokens']:,} tokens", f"{x['gflop']:,.0f}", f"{peak:.0f}"]
         cells += [f"{x[f'{s}_gflop_s']:.0f} ({x[f'{s}_gflop_s'] / peak:.0%})" for s in sides]
         theirs = x.get("transformers_gflop_s")
         cells.append("–" if theirs is None else f"{peak / theirs:.2f}x")

@@ -24,19 +24,20 @@ def linears(model: CausalLM) -> list[Linear]:
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_each_matmul_goes_to_the_faster_path(tiny_hf_model, isa: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Decode batches go native on every variant; prefill chunks through avx512's tiles,
-    avx2's oneDNN-packed weights, and generic's dense weights (F.linear), which the PyTorch
-    path then multiplies too."""
-    require_native_kernels(isa)
+    """Decode batches go native on every variant; prefill chunks through the tiles where the
+    kernels prefer them to oneDNN (avx512), else oneDNN-packed weights, and on generic dense
+    weights (F.linear), which the PyTorch path then multiplies too."""
+    kernels = require_native_kernels(isa)
     monkeypatch.setenv("RADIXLM_ISA", isa)
     path = str(tiny_hf_model(TINY).path)
     model = load_causal_lm(path)
-    rows = model.backend.native_linear_rows
-    assert rows >= native.NATIVE_LINEAR_ROWS
-    assert (rows == ALL_ROWS) == (isa == "avx512")
-    assert all(m.native_rows == rows for m in linears(model))
     onednn = isa != "generic" and packed_linear.packs(torch.float32)
     assert all(m.weight.is_mkldnn == onednn for m in linears(model))
+    rows = model.backend.native_linear_rows
+    assert rows >= native.NATIVE_LINEAR_ROWS
+    tiles = onednn and kernels.runs_linear(ALL_ROWS, onednn_packed=True)  # avx512's
+    assert (rows == ALL_ROWS) == tiles
+    assert all(m.native_rows == rows for m in linears(model))
     monkeypatch.setenv("RADIXLM_NATIVE", "0")
     reference_path = load_causal_lm(path)
     assert reference_path.backend.native_linear_rows == 0

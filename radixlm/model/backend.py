@@ -12,9 +12,10 @@ variant, or None with RADIXLM_NATIVE=0 or no compiler). Three forward paths foll
 Matmuls go by their number of rows, a rule fixed at load per variant (`onednn_packs`, then
 `Backend.native_linear_rows` from Kernels.runs_linear):
 
-    rows            avx512                avx2                  generic
-    1-64 (decode)   skinny_linear         skinny_linear         skinny_linear
-    more (prefill)  skinny_linear tiles   oneDNN, packed W      F.linear, dense W (MKL)
+    1-64 rows (decode)  skinny_linear, on every variant
+    more (prefill)      generic: F.linear on dense weights (MKL's sgemm)
+                        others: skinny_linear's tiles where Kernels.runs_linear prefers them
+                        to oneDNN (avx512), else oneDNN on packed weights
 
 and where oneDNN cannot pack the weights' dtype (bfloat16 without AVX512-BW), skinny_linear
 takes every row: PyTorch's dense bfloat16 matmuls are slower still. The PyTorch path packs for
