@@ -24,9 +24,10 @@ def linears(model: CausalLM) -> list[Linear]:
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_each_matmul_goes_to_the_faster_path(tiny_hf_model, isa: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Decode batches go native on every variant; prefill chunks through the tiles where the
-    kernels prefer them to oneDNN (avx512), else oneDNN-packed weights, and on generic dense
-    weights (F.linear), which the PyTorch path then multiplies too."""
+    """Decode batches go native on every variant (on generic, those skinny_linear streams);
+    prefill chunks through the tiles where the kernels prefer them to oneDNN (avx512), else
+    oneDNN-packed weights, and on generic dense weights (F.linear), which the PyTorch path
+    then multiplies too."""
     kernels = require_native_kernels(isa)
     monkeypatch.setenv("RADIXLM_ISA", isa)
     path = str(tiny_hf_model(TINY).path)
@@ -34,7 +35,7 @@ def test_each_matmul_goes_to_the_faster_path(tiny_hf_model, isa: str, monkeypatc
     onednn = isa != "generic" and packed_linear.packs(torch.float32)
     assert all(m.weight.is_mkldnn == onednn for m in linears(model))
     rows = model.backend.native_linear_rows
-    assert rows >= native.NATIVE_LINEAR_ROWS
+    assert rows >= (native.NATIVE_LINEAR_ROWS if onednn else native.SKINNY_MAX_ROWS)
     tiles = onednn and kernels.runs_linear(ALL_ROWS, onednn_packed=True)  # avx512's
     assert (rows == ALL_ROWS) == tiles
     assert all(m.native_rows == rows for m in linears(model))
@@ -52,7 +53,7 @@ def test_past_the_native_rows_a_decode_takes_the_layer_loop(tiny_hf_model, monke
     model = load_causal_lm(str(tiny_hf_model(TINY).path))
     c = model.config
     assert model.backend.fused is not None
-    batch_size, context = 6, 5
+    batch_size, context = 6, 5  # fewer rows than native.SKINNY_MAX_ROWS: fused on generic
     pool = KVPool(batch_size * (context + 1), c.num_layers, c.num_kv_heads, c.head_dim)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, c.vocab_size, context).tolist() for _ in range(batch_size)]

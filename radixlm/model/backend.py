@@ -12,8 +12,9 @@ variant, or None with RADIXLM_NATIVE=0 or no compiler). Three forward paths foll
 Matmuls go by their number of rows, a rule fixed at load per variant (`onednn_packs`, then
 `Backend.native_linear_rows` from Kernels.runs_linear):
 
-    1-64 rows (decode)  skinny_linear, on every variant
-    more (prefill)      generic: F.linear on dense weights (MKL's sgemm)
+    up to 16 rows       skinny_linear streams the weight, on every variant
+    17-64 rows          generic: F.linear on dense weights (MKL's sgemm); others: skinny_linear
+    more (prefill)      generic: F.linear on dense weights
                         others: skinny_linear's tiles where Kernels.runs_linear prefers them
                         to oneDNN (avx512), else oneDNN on packed weights
 
@@ -143,14 +144,14 @@ def onednn_packs(kernels: native.Kernels | None) -> bool:
 
 
 def _native_linear_rows(model: CausalLM, kernels: native.Kernels) -> int:
-    """How many rows skinny_linear multiplies at most (see the module's table): decode batches
-    on every variant (Kernels.runs_linear), and with them the fused decode step, which has only
-    skinny_linear. Prefill chunks where the kernels' own rule says their tiles beat oneDNN or
-    nothing else is fast; never over dense float32 weights, which F.linear (MKL's sgemm)
-    multiplies faster than the generic tiles."""
+    """How many rows skinny_linear multiplies at most (see the module's table), and with them
+    the largest decode batch the fused decode step (which has only skinny_linear) takes: decode
+    batches on every variant (Kernels.runs_linear); prefill chunks where the kernels' own rule
+    says their tiles beat oneDNN or nothing else is fast. Dense float32 weights (generic) go to
+    F.linear past the rows skinny_linear streams: MKL's sgemm beats the generic tiles there."""
     weight = model.lm_head.weight
     if not weight.is_mkldnn and weight.dtype == torch.float32:
-        return native.NATIVE_LINEAR_ROWS
+        return native.SKINNY_MAX_ROWS
     if kernels.runs_linear(ALL_ROWS, onednn_packed=weight.is_mkldnn):
         return ALL_ROWS
     return native.NATIVE_LINEAR_ROWS
