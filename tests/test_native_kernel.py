@@ -500,11 +500,11 @@ def test_skinny_linear_refuses_what_it_cannot_do() -> None:
 @pytest.mark.parametrize("isa", ISAS)
 def test_each_matmul_goes_to_the_faster_path(isa: str) -> None:
     """Decode batches always go native; prefill chunks go to oneDNN where it packed the weight,
-    but on avx512 (whose tiles beat it)."""
+    but on avx512 and avx2 (whose tiles match or beat it)."""
     kernels = require_native_kernels(isa)
     assert kernels.runs_linear(native.NATIVE_LINEAR_ROWS, onednn_packed=True)
     assert kernels.runs_linear(512, onednn_packed=False)  # nothing else would be fast
-    assert kernels.runs_linear(512, onednn_packed=True) == (isa == "avx512")
+    assert kernels.runs_linear(512, onednn_packed=True) == (isa in ("avx512", "avx2"))
 
 
 def test_the_install_step_fails_loudly_on_a_broken_build(monkeypatch, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -68,6 +68,7 @@ log = logging.getLogger(__name__)
 MAX_HEAD_DIM = 256  # head_dim: a multiple of 16 (whole AVX-512 vectors), at most this
 SKINNY_MAX_ROWS = 16  # skinny_linear streams W for up to this many rows; more go through tiles
 NATIVE_LINEAR_ROWS = 64  # matmuls up to this many rows go native on every variant (runs_linear)
+TILED_PREFILL = ("avx512", "avx2")  # variants whose tiles take prefill chunks too (runs_linear)
 
 
 def enabled() -> bool:
@@ -131,10 +132,10 @@ class Kernels:
         (which oneDNN packed or not). Decode batches (up to NATIVE_LINEAR_ROWS rows) always:
         streaming the packed weight beats oneDNN on every variant, and the fused decode step
         (decode_step.c, which has only skinny_linear) then gives the layer loop's bits. Prefill
-        rows on avx512, whose tiles match oneDNN from 512 rows and beat it below; elsewhere
-        oneDNN's packed matmuls beat our tiles, so they take prefill chunks wherever oneDNN could
-        pack the weight."""
-        return num_rows <= NATIVE_LINEAR_ROWS or self.isa == "avx512" or not onednn_packed
+        rows on avx512 and avx2, whose tiles match oneDNN's matmuls at that instruction set or
+        beat them; on generic oneDNN's packed matmuls beat our tiles, so they take prefill
+        chunks wherever oneDNN could pack the weight."""
+        return num_rows <= NATIVE_LINEAR_ROWS or self.isa in TILED_PREFILL or not onednn_packed
 
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: DecodeLayout

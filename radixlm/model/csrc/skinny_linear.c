@@ -1,5 +1,5 @@
 /* Linear layers on a packed weight: y (M, N) = x (M, K) W^T, built for decode-sized batches
-   (M <= 16 rows, below) and also used for prefill chunks (tiled_linear, further down).
+   (M <= 16 rows, below) and also used for prefill chunks (tiled_linear; on AVX2 panel_linear).
 
    A decode step multiplies a handful of rows by every weight matrix once: it is a stream of the
    weights through the cores, and its speed is how fast that stream runs, which oneDNN's matmuls
@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 #include "bf16.h"
 #include "simd.h"
@@ -160,15 +161,12 @@ static inline void run_rows(const void *x, const void *wp, void *y, int64_t M, i
 /* More rows than a decode step (a prefill chunk): the same packed weight, multiplied in register
    tiles of TILE_ROWS rows x TILE_BLOCKS column blocks: per k, the tile's vectors of W and one
    broadcast of x per row feed rows x vectors multiply-adds (AVX-512: 8 x 3 zmm accumulators;
-   AVX2: 6 x 2 ymm, 16 columns, the classic shape for 16 registers). Rows go in slabs of
-   SLAB_ROWS, whose x stays in L2 while the threads share out the column blocks; each block's
-   K x 16 weights stay in L1/L2 for the slab's tiles. */
+   generic: 3 x 4 xmm). Rows go in slabs of SLAB_ROWS, whose x stays in L2 while the threads
+   share out the column blocks; each block's K x 16 weights stay in L1/L2 for the slab's tiles.
+   AVX2 has its own loop (panel_linear, below). */
 #if VL == 16
 #define TILE_ROWS 8
 #define TILE_BLOCKS 3
-#elif VL == 8
-#define TILE_ROWS 6
-#define TILE_BLOCKS 1
 #else
 #define TILE_ROWS 3
 #define TILE_BLOCKS 1
@@ -208,13 +206,6 @@ ALWAYS_INLINE void run_tile(const char *x, const char *w, char *y, int64_t N, in
         TILE_CASE(7, NB, BF, OUT)                                                                \
     default: run_tile(xr, w, yr, N, K, b, TILE_ROWS, NB, BF, OUT); break;                        \
     }
-#elif TILE_ROWS == 6
-#define TILE_ROWS_CASES(NB, BF, OUT)                                                               \
-    switch (rows) {                                                                              \
-        TILE_CASE(1, NB, BF, OUT) TILE_CASE(2, NB, BF, OUT) TILE_CASE(3, NB, BF, OUT)            \
-        TILE_CASE(4, NB, BF, OUT) TILE_CASE(5, NB, BF, OUT)                                      \
-    default: run_tile(xr, w, yr, N, K, b, TILE_ROWS, NB, BF, OUT); break;                        \
-    }
 #else
 #define TILE_ROWS_CASES(NB, BF, OUT)                                                               \
     switch (rows) {                                                                              \
@@ -234,6 +225,7 @@ static void widen_blocks(const uint32_t *wp, float *wf, int64_t K, int64_t nb)
         }
 }
 
+#if VL != 8
 /* Prefill-sized M: slabs of rows, the threads sharing out the column block groups. Where the
    build widens bfloat16 (WIDEN_X), each group's W blocks are widened once per slab into a
    thread's scratch (in L2) and the float32 tiles run on them: the widening is paid once for
@@ -294,6 +286,85 @@ static int tiled_linear(const void *x, const void *wp, void *y, int64_t M, int64
     }
     return failed ? 3 : 0;
 }
+#endif
+
+#if VL == 8
+/* AVX2 prefill: 6 rows x 16 columns in 12 ymm accumulators (with the two vectors of W and a
+   broadcast: all 16 registers), each tile over the whole of K, as in BLIS's Haswell kernel. The
+   rows' x is first copied into panels of PANEL_ROWS rows, k-major (K x 6: one 24-byte step per
+   k), so a tile reads x as one sequential stream: read in place, x is 6 streams K floats apart,
+   which held the tile well below oneDNN (docs/kernels.md). Each thread takes a fixed range of
+   column blocks and packs every slab's panels itself: no barrier anywhere, so a thread the OS
+   sets aside delays only its own columns (with a barrier per slab, the other thread waited for
+   it at every slab). Per element: one accumulator, k in order, as in the decode passes
+   (run_block), so a row gets the same bits whichever path multiplies it. */
+#define PANEL_ROWS 6
+
+/* Rows r0 .. r0 + rows of x (M, K) as one panel (K, PANEL_ROWS); missing rows are zeros. */
+static void pack_panel(const float *x, float *panel, int64_t r0, int rows, int64_t K)
+{
+    for (int64_t k = 0; k < K; k++)
+        for (int m = 0; m < PANEL_ROWS; m++)
+            panel[k * PANEL_ROWS + m] = m < rows ? x[(r0 + m) * K + k] : 0.0f;
+}
+
+/* rows (<= PANEL_ROWS) of y's column block b from one panel and the block's K x 16 weights. */
+ALWAYS_INLINE void panel_tile(const float *panel, const float *w, char *y, int64_t N, int64_t K,
+                              int64_t b, int rows, const int out_bf16)
+{
+    vf acc[PANEL_ROWS * BW];
+    for (int i = 0; i < PANEL_ROWS * BW; i++) acc[i] = (vf){0};
+    for (int64_t k = 0; k < K; k++) {
+        const vf w0 = loadv(w + k * 16), w1 = loadv(w + k * 16 + VL);
+        for (int m = 0; m < PANEL_ROWS; m++) {
+            acc[m * BW] += panel[k * PANEL_ROWS + m] * w0;
+            acc[m * BW + 1] += panel[k * PANEL_ROWS + m] * w1;
+        }
+    }
+    store_block(y, acc, N, b, rows, out_bf16);
+}
+
+/* Prefill-sized M on AVX2 (x float32; a bfloat16 W's blocks are widened once per slab into the
+   thread's scratch, y is then bfloat16). */
+static int panel_linear(const float *x, const void *wp, void *y, int64_t M, int64_t N, int64_t K,
+                        int bf16, int num_threads)
+{
+    const int64_t elem = bf16 ? 2 : 4, blocks = N / 16;
+    const int64_t slab = (SLAB_ROWS + PANEL_ROWS - 1) / PANEL_ROWS * PANEL_ROWS;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+        const int64_t b0 = blocks * t / threads, b1 = blocks * (t + 1) / threads;
+        float *panels = malloc((size_t)(slab * K) * sizeof(float));
+        float *wf = bf16 ? malloc((size_t)(K * 16) * sizeof(float)) : NULL;
+        failed = panels == NULL || (bf16 && wf == NULL);
+        for (int64_t m0 = 0; m0 < M && !failed && b0 < b1; m0 += slab) {
+            const int64_t m1 = m0 + slab < M ? m0 + slab : M;
+            for (int64_t r = m0; r < m1; r += PANEL_ROWS) {
+                const int rows = m1 - r < PANEL_ROWS ? (int)(m1 - r) : PANEL_ROWS;
+                pack_panel(x, panels + (r - m0) * K, r, rows, K);
+            }
+            for (int64_t b = b0; b < b1; b++) {
+                const float *w = (const float *)((const char *)wp + b * K * elem * 16);
+                if (bf16) {
+                    widen_blocks((const uint32_t *)w, wf, K, 1);
+                    w = wf;
+                }
+                for (int64_t r = m0; r < m1; r += PANEL_ROWS) {
+                    const int rows = m1 - r < PANEL_ROWS ? (int)(m1 - r) : PANEL_ROWS;
+                    char *yr = (char *)y + r * N * elem;
+                    if (bf16) panel_tile(panels + (r - m0) * K, w, yr, N, K, b, rows, 1);
+                    else panel_tile(panels + (r - m0) * K, w, yr, N, K, b, rows, 0);
+                }
+            }
+        }
+        free(panels);
+        free(wf);
+    }
+    return failed ? 3 : 0;
+}
+#endif
 
 int skinny_linear(const void *x, const void *wp, void *y, int64_t M, int64_t N, int64_t K,
                   int bf16, int num_threads)
@@ -309,7 +380,11 @@ int skinny_linear(const void *x, const void *wp, void *y, int64_t M, int64_t N, 
     }
     int status = 0;
     if (M > MAX_ROWS) {
+#if VL == 8
+        status = panel_linear(x, wp, y, M, N, K, bf16, num_threads);
+#else
         status = tiled_linear(x, wp, y, M, N, K, bf16, num_threads);
+#endif
     } else {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (int64_t b = 0; b < N / 16; b++) run_rows(x, wp, y, M, N, K, b, bf16);
