@@ -36,7 +36,7 @@ def one_round(index: int, tok_s: float) -> dict[str, Any]:
         "summary": summary,
         "contention": {"other_busy_cores": index / 100},
         "requests": [],
-        "host": {"commit": "abc1234"},
+        "host": {"cpu": "AMD EPYC", "cores": 2, "isa": ["avx2", "fma"], "commit": "abc1234"},
         "round": {"index": index, "run_id": "R"},
         "started": f"2026-12-01T20:0{index}:00Z",
     }
