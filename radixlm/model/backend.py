@@ -15,8 +15,8 @@ Matmuls go by their number of rows, a rule fixed at load per variant (`onednn_pa
     up to 16 rows       skinny_linear streams the weight, on every variant
     17-64 rows          generic: F.linear on dense weights (MKL's sgemm); others: skinny_linear
     more (prefill)      generic: F.linear on dense weights
-                        others: skinny_linear's tiles where Kernels.runs_linear prefers them
-                        to oneDNN (avx512), else oneDNN on packed weights
+                        avx512 and avx2: skinny_linear's register tiles, which match or
+                        beat oneDNN's matmuls at their instruction set (Kernels.runs_linear)
 
 and where oneDNN cannot pack the weights' dtype (bfloat16 without AVX512-BW), skinny_linear
 takes every row: PyTorch's dense bfloat16 matmuls are slower still. The PyTorch path packs for

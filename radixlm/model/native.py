@@ -133,8 +133,8 @@ class Kernels:
         streaming the packed weight beats oneDNN on every variant, and the fused decode step
         (decode_step.c, which has only skinny_linear) then gives the layer loop's bits. Prefill
         rows on avx512 and avx2, whose tiles match oneDNN's matmuls at that instruction set or
-        beat them; on generic oneDNN's packed matmuls beat our tiles, so they take prefill
-        chunks wherever oneDNN could pack the weight."""
+        beat them. On generic, prefill rows go to oneDNN where it packed the weight; the
+        backend packs nothing there and sends dense float32 rows past 16 to F.linear."""
         return num_rows <= NATIVE_LINEAR_ROWS or self.isa in TILED_PREFILL or not onednn_packed
 
     def decode(
