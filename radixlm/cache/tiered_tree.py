@@ -170,8 +170,6 @@ class TieredTree(RadixTree):
             elif not pinned:
                 self._maybe_l2_leaf(node)
 
-    # -- leaving and entering RAM -------------------------------------------------------------
-
     # -- writing: through at finish, or as a node leaves RAM ----------------------------------
 
     def write_through(self, node: TreeNode) -> int:
@@ -210,6 +208,8 @@ class TieredTree(RadixTree):
             if len(pages) < count:
                 break
         return written
+
+    # -- leaving and entering RAM -------------------------------------------------------------
 
     def _leave_l1(self, node: TreeNode) -> None:
         if node.pages is not None:
