@@ -11,6 +11,7 @@ import random
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from engine_helpers import GREEDY, assert_idle, outputs, run, save_engine_model
@@ -222,13 +223,8 @@ def test_one_shot_requests_never_reach_the_disk(model_dir: Path, tmp_path: Path)
 def test_a_finished_turn_is_written_through_and_leaves_ram_without_a_write(
     model_dir: Path, tmp_path: Path
 ) -> None:
-    rng = random.Random(17)
-    words = lambda n: [rng.randrange(1, 250) for _ in range(n)]  # noqa: E731
-    first, filler = words(120), words(330)
-    plain, tiered = engine(model_dir, cache="none"), engine(model_dir, l2_dir=tmp_path)
-    cache = tiered.cache
-    assert isinstance(cache, TieredRadixCache)
-    second = first + outputs(run(tiered, [first]))[0] + words(30)
+    plain = engine(model_dir, cache="none")
+    tiered, cache, second, filler, words = _second_turn(model_dir, tmp_path, seed=17)
     assert outputs(run(tiered, [second])) == outputs(run(plain, [second]))
     through = cache.l2_through_pages  # the second turn's path, written as it finished
     assert through >= (len(second) + 11) // 64 and cache.l2_written_pages == through
@@ -246,13 +242,7 @@ def test_a_finished_turn_is_written_through_and_leaves_ram_without_a_write(
 def test_aborts_and_evictions_while_a_write_through_waits_for_the_disk(
     model_dir: Path, tmp_path: Path
 ) -> None:
-    rng = random.Random(19)
-    words = lambda n: [rng.randrange(1, 250) for _ in range(n)]  # noqa: E731
-    first, filler = words(120), words(330)
-    tiered = engine(model_dir, l2_dir=tmp_path)
-    cache = tiered.cache
-    assert isinstance(cache, TieredRadixCache)
-    second = first + outputs(run(tiered, [first]))[0] + words(30)
+    tiered, cache, second, filler, _ = _second_turn(model_dir, tmp_path, seed=19)
     disk, fast = threading.Event(), cache.l2._pwrite
 
     def slow(page: int, key: bytes, payload: Callable[[], object]) -> None:
@@ -277,3 +267,23 @@ def test_aborts_and_evictions_while_a_write_through_waits_for_the_disk(
     assert outputs(run(tiered, [second])) == expected
     assert cache.l2_hit_tokens - hits >= 128 and cache.l2_bad_pages == 0
     assert_idle(tiered)
+
+
+class SecondTurn(NamedTuple):
+    tiered: Engine
+    cache: TieredRadixCache
+    second: list[int]  # the second turn's prompt: turn one, its output, 30 new tokens
+    filler: list[int]  # a 330-token prompt that evicts the conversation from 400 slots
+    words: Callable[[int], list[int]]  # more random tokens from the same stream
+
+
+def _second_turn(model_dir: Path, tmp_path: Path, seed: int) -> SecondTurn:
+    """An engine with L2 that has run a 120-token first turn, and the second turn's prompt."""
+    rng = random.Random(seed)
+    words = lambda n: [rng.randrange(1, 250) for _ in range(n)]  # noqa: E731
+    first, filler = words(120), words(330)
+    tiered = engine(model_dir, l2_dir=tmp_path)
+    cache = tiered.cache
+    assert isinstance(cache, TieredRadixCache)
+    second = first + outputs(run(tiered, [first]))[0] + words(30)
+    return SecondTurn(tiered, cache, second, filler, words)

@@ -211,10 +211,7 @@ def test_both_tiers_keep_their_invariants_and_serve_only_the_right_tokens(
 
 def test_a_conversation_leaves_ram_and_comes_back_whole() -> None:
     h = Harness(admit=True)
-    turn1 = np.arange(100, dtype=np.int64)
-    turn2 = np.concatenate([turn1, np.arange(1000, 1150, dtype=np.int64)])
-    h.insert(turn1)
-    h.insert(turn2)
+    turn2 = _two_turns(h)
     h.free.update(h.tree.flush().slots.tolist())
     h.check()
     assert h.tree.num_tokens == 0 and h.tree.num_l2_pages == 250 // PAGE_TOKENS
@@ -263,10 +260,7 @@ def test_a_full_l2_keeps_the_head_of_a_chain() -> None:
 
 def test_a_finished_path_is_written_through_and_leaves_ram_without_a_write() -> None:
     h = Harness(admit=True)
-    turn1 = np.arange(100, dtype=np.int64)
-    turn2 = np.concatenate([turn1, np.arange(1000, 1150, dtype=np.int64)])
-    h.insert(turn1)
-    h.insert(turn2)
+    turn2 = _two_turns(h)
     h.finish(turn2)
     h.check()
     assert h.tree.num_l2_pages == 3 and len(h.store.staged) == 3  # none copied yet
@@ -314,3 +308,12 @@ def test_l2_drops_a_copy_of_ram_before_a_node_that_just_left_ram() -> None:
     # `young` was used after `old`, but it is still in RAM: its copy goes, not `old`'s pages
     assert h.tree.peek_tiers(old) == len(old) and h.tree.peek(old) == 0
     assert h.tree.peek(young) == len(young) and h.tree.num_l2_pages == 4
+
+
+def _two_turns(h: Harness) -> np.ndarray:
+    """A conversation's two turns inserted into `h` (100 tokens, then 150 more): the second."""
+    turn1 = np.arange(100, dtype=np.int64)
+    turn2 = np.concatenate([turn1, np.arange(1000, 1150, dtype=np.int64)])
+    h.insert(turn1)
+    h.insert(turn2)
+    return turn2
