@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from radixlm.cache.kv_pool import KVPool
-from radixlm.cache.l2_pages import L2PageFile
+from radixlm.cache.l2_pages import HEADER_BYTES, L2PageFile
 from radixlm.cache.prefix_cache import PendingMatch
 from radixlm.cache.tiered_cache import PAGE_TOKENS, TieredRadixCache, _fingerprint
 
@@ -183,3 +183,25 @@ def test_a_staged_page_dropped_before_its_copy_never_waits_for_the_disk(tmp_path
     cache.flush()  # A leaves RAM unwritten (its copy was dropped): written now, and loads
     cache.l2._pwrite = fast  # type: ignore[method-assign]
     assert loaded(cache, A) == 3 * PAGE_TOKENS and cache.l2_bad_pages == 0
+
+
+def test_a_conversation_tail_loads_back_bit_exact_and_a_bad_one_is_recomputed(
+    tmp_path: Path,
+) -> None:
+    turn = np.arange(2 * PAGE_TOKENS + 20, dtype=np.int64)  # ends inside page 2
+    follow_up = np.concatenate([turn, np.arange(5000, 5030, dtype=np.int64)])
+    for bad in (False, True):
+        cache = make_cache(tmp_path / str(bad), num_pages=4)
+        put(cache, turn)
+        cache.flush()  # pages 0, 1 and the tail page: tokens 128..148
+        assert cache.tree.num_l2_pages == 3
+        [tail] = [n.pages[-1] for n in cache.tree.root().l2_children.values()]  # type: ignore[index]
+        cache._pending.pop(int(tail)).result()
+        if bad:  # one flipped byte in the tail page's payload
+            with open(tmp_path / str(bad) / "l2", "r+b") as f:
+                f.seek(int(tail) * cache.l2.page_bytes + HEADER_BYTES + 5)
+                byte = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([byte[0] ^ 1]))
+        assert loaded(cache, follow_up) == (2 * PAGE_TOKENS if bad else len(turn))
+        assert cache.l2_bad_pages == bad

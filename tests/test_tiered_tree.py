@@ -112,8 +112,9 @@ class Harness:
                 assert node.pages is not None
                 first = node.start // PAGE_TOKENS
                 for i, page in enumerate(node.pages.tolist()):
-                    at = (first + i) * PAGE_TOKENS
-                    assert self.store.tokens[page] == seq[at : at + PAGE_TOKENS].tobytes()
+                    at = (first + i) * PAGE_TOKENS  # a tail page ends with its node
+                    held = seq[at : min(at + PAGE_TOKENS, node.depth)].tobytes()
+                    assert self.store.tokens[page] == held
             self.tree.lock(tm.l1.node)
             self.tree.pin(tm.chain, True)
             slots = self.alloc(tm.end - length)
@@ -154,9 +155,10 @@ def _common(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else n
 
 
-# Sequences share prefixes: a base (one of three) continued by a few random runs.
+# Sequences share prefixes: a base (one of three, or the sequence before: a conversation's next
+# turn) continued by a few random runs.
 sequences = st.lists(
-    st.tuples(st.integers(0, 2), st.lists(st.tuples(st.integers(1, 150), st.integers(0, 2)),
+    st.tuples(st.integers(0, 4), st.lists(st.tuples(st.integers(1, 150), st.integers(0, 2)),
                                           min_size=1, max_size=4)),
     min_size=2, max_size=8,
 )  # fmt: skip
@@ -165,10 +167,12 @@ ops = st.lists(
         st.tuples(st.just("insert"), st.integers(0, 7)),
         st.tuples(st.just("load"), st.integers(0, 7)),
         st.tuples(st.just("finish"), st.integers(0, 7)),
+        st.tuples(st.just("request"), st.integers(0, 7)),
         st.tuples(st.just("evict"), st.integers(1, 400)),
         st.tuples(st.just("evict_l2"), st.integers(1, 6)),
     ),
-    max_size=30,
+    min_size=4,
+    max_size=40,
 )
 
 
@@ -176,7 +180,8 @@ def build(spec: list[tuple[int, list[tuple[int, int]]]]) -> list[np.ndarray]:
     bases = [np.full(70 + 30 * b, 10 + b, dtype=np.int64) for b in range(3)]
     out = []
     for base, runs in spec:
-        parts = [bases[base]] + [20 + t + np.arange(n, dtype=np.int64) % 3 for n, t in runs]
+        head = out[-1] if base > 2 and out else bases[base % 3]
+        parts = [head] + [20 + t + np.arange(n, dtype=np.int64) % 3 for n, t in runs]
         out.append(np.concatenate(parts))
     return out
 
@@ -198,6 +203,12 @@ def test_both_tiers_keep_their_invariants_and_serve_only_the_right_tokens(
             h.load(seqs[arg % len(seqs)])
         elif op == "finish":
             h.finish(seqs[arg % len(seqs)])
+        elif op == "request":  # as the engine runs one: load, compute the rest, finish
+            seq = seqs[arg % len(seqs)]
+            h.load(seq)
+            h.check()
+            h.insert(seq)
+            h.finish(seq)
         elif op == "evict":
             h.free.update(h.tree.evict(arg).slots.tolist())
         else:
@@ -214,12 +225,47 @@ def test_a_conversation_leaves_ram_and_comes_back_whole() -> None:
     turn2 = _two_turns(h)
     h.free.update(h.tree.flush().slots.tolist())
     h.check()
-    assert h.tree.num_tokens == 0 and h.tree.num_l2_pages == 250 // PAGE_TOKENS
+    assert h.tree.num_tokens == 0 and h.tree.num_l2_pages == 4  # 3 whole, then 192..250
     tm = h.tree.match_tiers(turn2)
-    assert tm.l1.length == 0 and tm.end == 192  # whole pages only: the tail is recomputed
+    assert tm.l1.length == 0 and tm.end == 250  # the tail page comes back too
     h.load(turn2)
     h.check()
-    assert h.tree.match(turn2).length == 192
+    assert h.tree.match(turn2).length == 250
+
+
+def test_a_node_that_gains_a_child_gives_up_its_tail_page() -> None:
+    h = Harness(admit=True)
+    turn2 = _two_turns(h)
+    h.finish(turn2)  # pages 0..2, and the tail page 192..250
+    assert h.tree.num_l2_pages == 4
+    turn3 = np.concatenate([turn2, np.arange(2000, 2100, dtype=np.int64)])
+    h.insert(turn3)  # the node ending at 250 has a child now: page 3 belongs to it, whole
+    h.check()
+    assert h.tree.num_l2_pages == 3
+    h.finish(turn3)  # pages 3, 4 (192..320) and the tail page 320..350
+    h.check()
+    assert h.tree.num_l2_pages == 6
+    h.free.update(h.tree.flush().slots.tolist())
+    h.check()
+    for seq, end in ((turn2, 192), (turn3, 350)):  # turn2 ends inside page 3: 192 is whole
+        assert h.tree.match_tiers(seq).end == end
+    h.load(turn3)
+    h.check()
+    assert h.tree.match(turn3).length == 350
+
+
+def test_a_longer_prompt_loads_a_tail_page_and_computes_the_rest() -> None:
+    h = Harness(admit=True)
+    turn2 = _two_turns(h)
+    h.free.update(h.tree.flush().slots.tolist())
+    turn3 = np.concatenate([turn2, np.arange(3000, 3040, dtype=np.int64)])
+    assert h.tree.peek_tiers(turn3) == 250 and h.tree.match_tiers(turn3).end == 250
+    h.load(turn3)
+    h.check()
+    assert h.tree.match(turn3).length == 250
+    h.insert(turn3)  # the computed rest: the loaded node gives up its tail page
+    h.check()
+    assert h.tree.match(turn3).length == len(turn3) and h.tree.num_l2_pages == 3
 
 
 A = np.arange(300, dtype=np.int64)
@@ -229,8 +275,8 @@ B = np.concatenate([A[:200], np.arange(5000, 5100, dtype=np.int64)])
 def test_a_load_that_diverges_inside_an_l2_edge_ends_on_a_page_boundary() -> None:
     h = Harness(admit=True)
     h.insert(A)
-    h.free.update(h.tree.flush().slots.tolist())  # A -> pages 0..3; its tail 256..300 is cut
-    assert h.tree.num_l2_pages == 4
+    h.free.update(h.tree.flush().slots.tolist())  # A -> pages 0..3 and the tail page 256..300
+    assert h.tree.num_l2_pages == 5
     h.load(B)  # shares 200 tokens with A: loads 192, the L2 node split there
     h.check()
     assert h.tree.match(B).length == 192 and h.tree.num_l2_nodes == 1
@@ -243,7 +289,7 @@ def test_an_insert_claims_the_l2_nodes_it_recomputed() -> None:
     h.insert(B)  # computed without a load: A's L2 node is split at 200 and claimed up to it
     h.check()
     assert h.tree.match(B).length == len(B)
-    assert h.tree.num_l2_pages == 4 and h.tree.num_l2_nodes == 1  # 200..256 stays on L2
+    assert h.tree.num_l2_pages == 5 and h.tree.num_l2_nodes == 1  # 200..300 stays on L2
 
 
 def test_a_full_l2_keeps_the_head_of_a_chain() -> None:
@@ -263,13 +309,13 @@ def test_a_finished_path_is_written_through_and_leaves_ram_without_a_write() -> 
     turn2 = _two_turns(h)
     h.finish(turn2)
     h.check()
-    assert h.tree.num_l2_pages == 3 and len(h.store.staged) == 3  # none copied yet
+    assert h.tree.num_l2_pages == 4 and len(h.store.staged) == 4  # none copied yet
     assert h.tree.num_tokens == 250  # still in RAM as well
     h.free.update(h.tree.flush().slots.tolist())
     h.check()  # every page was settled before its slots were freed
-    assert h.store.eviction_writes == 0 and not h.store.staged and h.tree.num_l2_pages == 3
+    assert h.store.eviction_writes == 0 and not h.store.staged and h.tree.num_l2_pages == 4
     h.load(turn2)
-    assert h.tree.match(turn2).length == 192
+    assert h.tree.match(turn2).length == 250
 
 
 def test_a_finish_writes_nothing_not_worth_keeping() -> None:

@@ -1,12 +1,12 @@
 """KV copies between the slot pool and L2 page payloads.
 
-A payload is one page's K and V for every layer, contiguous: (2, layers, 64 tokens, kv_heads,
-head_dim) in the pool's dtype. A page written as its node leaves RAM is gathered on the engine
-thread (its slots are freed right after); a page written through when its request finishes is
-gathered on the I/O thread (`StagedPage`), from slots the tree still owns. Loaded pages are
-scattered on the I/O threads as each read is verified, so copies overlap the reads. A
-`LoadSink` is cancelled when its load ends: after `cancel()` returns no late read writes into
-slots that may have been given to another request.
+A payload is one page's K and V for every layer, contiguous: (2, layers, tokens, kv_heads,
+head_dim) in the pool's dtype, 64 tokens (fewer in a tail page). A page written as its node
+leaves RAM is gathered on the engine thread (its slots are freed right after); a page written
+through when its request finishes is gathered on the I/O thread (`StagedPage`), from slots the
+tree still owns. Loaded pages are scattered on the I/O threads as each read is verified, so
+copies overlap the reads. A `LoadSink` is cancelled when its load ends: after `cancel()` returns
+no late read writes into slots that may have been given to another request.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class StagedPage:
 
     def __init__(self, pool: KVPool, slots: np.ndarray, key: bytes) -> None:
         self.pool = pool
-        self.slots = slots  # the page's 64 slot ids (tree-owned while the page is staged)
+        self.slots = slots  # the page's slot ids (tree-owned while the page is staged)
         self.key = key
         self._lock = threading.Lock()  # held during the gather and by settle
         self._state = self.QUEUED
@@ -68,9 +68,9 @@ class StagedPage:
 class LoadSink:
     """Scatters the verified pages of one load into its slots, until cancelled."""
 
-    def __init__(self, pool: KVPool, page_tokens: int) -> None:
+    def __init__(self, pool: KVPool) -> None:
         self.pool = pool
-        self.shape = (2, pool.num_layers, page_tokens, pool.num_kv_heads, pool.head_dim)
+        self.shape = (2, pool.num_layers, -1, pool.num_kv_heads, pool.head_dim)
         self.dim = _slot_dim(pool)
         self._lock = threading.Lock()  # held while a page is copied and by cancel
         self._cancelled = False

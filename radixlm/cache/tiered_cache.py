@@ -196,8 +196,8 @@ class TieredRadixCache(RadixCache):
             return None
         pages = np.concatenate([c.pages for c in tm.chain if c.pages is not None]).tolist()
         start, first = m.length, m.length // PAGE_TOKENS
-        keys = _chain(self._fingerprint, namespace, ids, first + len(pages))
-        sink = LoadSink(self.kv, PAGE_TOKENS)
+        keys = _chain(self._fingerprint, namespace, ids[: tm.end], first + len(pages))
+        sink = LoadSink(self.kv)
         futures: list[Future[bytearray | None] | None] = []
         for i, page in enumerate(pages):
             t0 = (first + i) * PAGE_TOKENS  # the page's first token; the slots start at `start`
@@ -217,7 +217,7 @@ class TieredRadixCache(RadixCache):
         num_pages, bad = self._collect(load)
         self._release(load)
         m = load.tm.l1
-        end = max(m.length, (m.length // PAGE_TOKENS + num_pages) * PAGE_TOKENS)
+        end = max(m.length, min(load.tm.end, (m.length // PAGE_TOKENS + num_pages) * PAGE_TOKENS))
         used = end - m.length
         self._free_in_flight(load.slots[used:])
         result = m
@@ -358,7 +358,8 @@ def _admits(node: TreeNode, turns: TurnTracker) -> bool:
 
 
 def _chain(fingerprint: bytes, namespace: Namespace, tokens: np.ndarray, n: int) -> list[bytes]:
-    """The chained keys of the first `n` pages of `tokens`."""
+    """The chained keys of the first `n` pages of `tokens` (the last one partial when `tokens`
+    ends inside it: a tail page)."""
     keys: list[bytes] = []
     prev = None
     for p in range(n):

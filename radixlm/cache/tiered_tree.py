@@ -1,7 +1,10 @@
 """The radix tree with an L2 tier: a node owns RAM slots (L1), disk pages (L2), or both.
 
 Pages are runs of PAGE_TOKENS tokens at fixed positions of a sequence (page p holds tokens
-[64p, 64p + 64)), and a node holds either no pages or every page that ends inside its edge:
+[64p, 64p + 64)), and a node holds either no pages or every page that ends inside its edge. A
+leaf (no child on either tier) whose end is not on a page boundary may also hold a *tail page*:
+the partial page from its last boundary to its end, so that a conversation's next turn loads
+everything its last turn computed (a finished request's path ends wherever its output did):
 
     tokens  0 .......... 64 .......... 128 .......... 192 .......... 256
     nodes   [ sys 0..100: L1 ][ turn 1 100..192: L1 + L2 ][ turn 2 192..256: L2 only ]
@@ -13,15 +16,18 @@ Moving between tiers:
   store's admission, or L2 children that would be unreachable without it), its pages are
   written first and it moves to its parent's `l2_children`. A tail no page covers is cut off.
 - `match_tiers` walks L1 as `match` does, then continues through `l2_children` and ends the
-  continuation on a page boundary; `promote` gives the loaded nodes their new slots.
-- An insert that runs into an L2 node claims it with the inserted slots (its pages stay).
+  continuation on a page boundary, or at the end of a leaf that holds its tail page; `promote`
+  gives the loaded nodes their new slots.
+- An insert that runs into an L2 node claims it with the inserted slots (its pages stay). A
+  node that gains a child gives up its tail page (the child's first page is that page, whole).
 - L2 evicts leaf-first (no child with pages) in LRU order from a lazy heap, an L2-only node
   aged from when it left RAM: an L1+L2 node drops its copy; an L2-only leaf gives up its last
   pages (chains shrink from their ends).
 
 Invariants (`check_l2` in cache/integrity.py): besides those of RadixTree, a node without slots
-holds pages, no lock and only L2 children, and ends on a page boundary or has a child (whose
-first page holds its tail); RAM nodes form a subtree at each root; the L2 order holds exactly
+holds pages, no lock and only L2 children, and ends on a page boundary, holds its tail page, or
+has a child (whose first page holds its tail); only a node without children holds a tail page;
+RAM nodes form a subtree at each root; the L2 order holds exactly
 the unpinned nodes with pages and no child with pages; the page counter is the pages held.
 """
 
@@ -67,7 +73,8 @@ class PageStore(Protocol):
 class TierMatch(NamedTuple):
     l1: MatchResult  # the prefix in RAM, as RadixTree.match returns it
     chain: tuple[TreeNode, ...]  # the L2-only nodes that continue it, down to `end`
-    end: int  # where the continuation ends (a page boundary); l1.length when there is none
+    end: int  # where the continuation ends (a page boundary or a tail page's end); l1.length
+    # when there is none
     busy: TreeNode | None = None  # the continuation runs into a node a load is reading
 
 
@@ -89,8 +96,8 @@ class TieredTree(RadixTree):
 
     def match_tiers(self, tokens: TokenIds, namespace: Namespace = None) -> TierMatch:
         """`match`, then the L2 nodes that continue it, ending on a page boundary (the last one
-        split there; it stops at a node a load is reading). Touches them (L2 LRU). Pin the chain
-        before anything can evict L2."""
+        split there) or at the end of a tail page; it stops at a node a load is reading.
+        Touches them (L2 LRU). Pin the chain before anything can evict L2."""
         ids = np.asarray(tokens, dtype=np.int64)
         m = self.match(ids, namespace)
         node = m.node
@@ -112,7 +119,7 @@ class TieredTree(RadixTree):
                 break
             pos += len(child.key)
             node = child
-        end = pos // TOKEN_BYTES // PAGE_TOKENS * PAGE_TOKENS
+        end = _continuation_end(pos // TOKEN_BYTES, chain[-1] if chain else None)
         chain = [c for c in chain if c.start < end]
         if not chain:
             return TierMatch(m, (), m.length)
@@ -123,8 +130,8 @@ class TieredTree(RadixTree):
         return TierMatch(m, tuple(chain), end)
 
     def peek_tiers(self, tokens: TokenIds, namespace: Namespace = None) -> int:
-        """The length `match_tiers` would end at (the RAM prefix, or its L2 continuation to a
-        page boundary), changing nothing. A chain another load is reading counts too: a
+        """The length `match_tiers` would end at (the RAM prefix, or its L2 continuation),
+        changing nothing. A chain another load is reading counts too: a
         request that runs into it waits for that load and computes none of it."""
         buf = self._page_bytes_of(np.asarray(tokens, dtype=np.int64))
         node, length = self._peek(buf, namespace)
@@ -140,7 +147,7 @@ class TieredTree(RadixTree):
                 break
             pos += len(child.key)
             node = child
-        return max(length, pos // TOKEN_BYTES // PAGE_TOKENS * PAGE_TOKENS)
+        return max(length, _continuation_end(pos // TOKEN_BYTES, node))
 
     @property
     def version(self) -> tuple[int, ...]:
@@ -148,8 +155,9 @@ class TieredTree(RadixTree):
         return (*super().version, self.num_l2_pages, self.l2_evicted_pages)
 
     def promote(self, match: TierMatch, end: int, slots: np.ndarray) -> MatchResult:
-        """The chain's KV up to `end` (a page boundary) was loaded into `slots` (tokens
-        match.l1.length .. end): those nodes join L1. Returns the lengthened match."""
+        """The chain's KV up to `end` (a page boundary, or the chain's end) was loaded into
+        `slots` (tokens match.l1.length .. end): those nodes join L1. Returns the lengthened
+        match."""
         m = match.l1
         node, tick = m.node, self._clock
         for c in match.chain:
@@ -188,17 +196,18 @@ class TieredTree(RadixTree):
         todo = [n for n in path[: keep[-1] + 1] if n.pages is None] if keep else []
         if not todo:
             return 0
-        self._make_room(path[-1], sum(_num_pages(n) for n in todo))
+        self._make_room(path[-1], sum(_num_pages(n) + _wants_tail(n) for n in todo))
         written, pageless = 0, list[TreeNode]()
         for n in todo:
-            count = _num_pages(n)
+            full = _num_pages(n)
+            count = full + _wants_tail(n)
             if count == 0:  # no page ends here: the first page written below holds its tokens
                 pageless.append(n)
                 continue
             pages = self.store.write_node(n, n.start // PAGE_TOKENS, count, staged=True)
             if not len(pages):
                 break
-            if len(pages) < count:  # L2 is full: the written head becomes a node of its own
+            if len(pages) < full:  # L2 is full: the written head becomes a node of its own
                 n = self._split(n, (n.start // PAGE_TOKENS + len(pages)) * PAGE_TOKENS - n.start)
             for p in pageless:
                 self._set_pages(p, NO_SLOTS)
@@ -238,14 +247,16 @@ class TieredTree(RadixTree):
         self._after_child_left(parent)
 
     def _write(self, node: TreeNode) -> None:
-        """Give `node` its pages (those ending in its edge), cutting it where L2 ran out."""
+        """Give `node` its pages (those ending in its edge, and its tail page if it is a leaf),
+        cutting it where L2 ran out."""
         first, last = node.start // PAGE_TOKENS, node.depth // PAGE_TOKENS
-        if last == first and not node.l2_children:
+        count = last - first + _wants_tail(node)
+        if count == 0 and not node.l2_children:
             return  # no page ends here and nothing below needs this node
-        self._make_room(node, last - first)
+        self._make_room(node, count)
         pages = NO_SLOTS
-        if last > first:
-            pages = self.store.write_node(node, first, last - first, staged=False)
+        if count:
+            pages = self.store.write_node(node, first, count, staged=False)
         if len(pages) < last - first:
             for child in list(node.l2_children.values()):
                 self.drop_l2(child)
@@ -292,10 +303,17 @@ class TieredTree(RadixTree):
         self.num_nodes += 1
         self.num_l2_nodes -= 1
 
+    def _add_leaf(
+        self, parent: TreeNode, key: bytes, slots: np.ndarray, tick: int, turn: int
+    ) -> TreeNode:
+        if _has_tail(parent):  # the new child's first page is the tail page, whole
+            self._drop_tail(parent)
+        return super()._add_leaf(parent, key, slots, tick, turn)
+
     def _split(self, child: TreeNode, k: int) -> TreeNode:
         start, on_l2 = child.start, len(child.value) == 0
         upper = super()._split(child, k)
-        if child.pages is not None:  # each part keeps the pages ending in it
+        if child.pages is not None:  # each part keeps the pages ending in it (the tail: below)
             n = (start + k) // PAGE_TOKENS - start // PAGE_TOKENS
             upper.pages, child.pages = child.pages[:n], child.pages[n:]
             upper.l2_kids = 1
@@ -389,8 +407,9 @@ class TieredTree(RadixTree):
             self._maybe_l2_leaf(parent)
 
     def _settle(self, node: TreeNode) -> None:
-        """An L2-only node without children keeps no tail beyond its last page."""
-        if node.l2_children or node.l2_pinned or not node.depth % PAGE_TOKENS:
+        """An L2-only node without children keeps no tail beyond its last page, unless it
+        holds that tail's page."""
+        if node.l2_children or node.l2_pinned or not node.depth % PAGE_TOKENS or _has_tail(node):
             self._maybe_l2_leaf(node)
             return
         cut = node.depth // PAGE_TOKENS * PAGE_TOKENS
@@ -408,6 +427,18 @@ class TieredTree(RadixTree):
             self._settle(parent)
         else:
             self._maybe_l2_leaf(parent)
+
+    def _drop_tail(self, node: TreeNode) -> None:
+        """`node` gains a child: free its tail page (the child's first page holds those tokens
+        and more; two pages at one position would break a chain's page order)."""
+        pages = node.pages
+        assert pages is not None
+        if len(pages) == 1:
+            self._set_pages(node, None)
+            return
+        self.store.free_pages(pages[-1:])
+        self.num_l2_pages -= 1
+        node.pages = pages[:-1]
 
     def _cut(self, node: TreeNode, end: int) -> None:
         """Shorten the edge of a node without RAM children so that it ends at `end`."""
@@ -429,3 +460,20 @@ class TieredTree(RadixTree):
 def _num_pages(node: TreeNode) -> int:
     """The L2 pages that end inside `node`'s edge."""
     return node.depth // PAGE_TOKENS - node.start // PAGE_TOKENS
+
+
+def _wants_tail(node: TreeNode) -> bool:
+    """Whether a write of `node` includes its tail page: a leaf ending inside a page."""
+    return bool(node.depth % PAGE_TOKENS) and not node.children and not node.l2_children
+
+
+def _has_tail(node: TreeNode) -> bool:
+    return node.pages is not None and len(node.pages) > _num_pages(node)
+
+
+def _continuation_end(reached: int, last: TreeNode | None) -> int:
+    """Where an L2 continuation that reached token `reached` ends: the end of `last` (the
+    deepest node passed whole) when it holds its tail page, else the last page boundary."""
+    if last is not None and reached == last.depth and _has_tail(last):
+        return reached
+    return reached // PAGE_TOKENS * PAGE_TOKENS
