@@ -47,6 +47,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, bias)
     min_tokens: int = 0  # end-of-sequence and stop ids are banned until this many outputs
     constraint: Constraint | None = None  # a grammar every sample's output follows
+    # How long its KV is worth keeping (OpenAI's prompt_cache_retention): "in_memory" never
+    # goes to the disk tier, "24h" is written there when the request finishes, None lets the
+    # cache decide (docs/cache.md). Without a disk tier both keep it in RAM, as always.
+    cache_retention: Literal["in_memory", "24h"] | None = None
 
     def __post_init__(self) -> None:
         # Accept lists for the tuple fields (frozen dataclasses need object.__setattr__).
@@ -88,6 +92,10 @@ class SamplingParams:
             f"logprobs must be in [0, 20], got {self.logprobs}",
         )
         _check(self.n >= 1, f"n must be >= 1, got {self.n}")
+        _check(
+            self.cache_retention in (None, "in_memory", "24h"),
+            f"cache_retention must be 'in_memory', '24h' or None, got {self.cache_retention!r}",
+        )
 
     @property
     def greedy(self) -> bool:

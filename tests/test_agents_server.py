@@ -152,7 +152,8 @@ def test_logit_bias_steers_a_greedy_choice(client: openai.OpenAI) -> None:
 
 
 def test_min_tokens_and_ignored_bookkeeping_fields(client: openai.OpenAI) -> None:
-    response = _chat(client, max_tokens=12, extra_body={"min_tokens": 12}, store=False,
+    extra = {"min_tokens": 12, "prompt_cache_retention": "24h"}  # no disk tier: RAM as always
+    response = _chat(client, max_tokens=12, extra_body=extra, store=False,
                      metadata={"run": "1"}, user="u", prompt_cache_key="k")  # fmt: skip
     assert response.usage is not None and response.usage.completion_tokens == 12
 

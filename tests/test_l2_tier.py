@@ -4,6 +4,7 @@ on, L2 off and the cache off; a corrupted page file is recomputed, never served.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -287,3 +288,34 @@ def _second_turn(model_dir: Path, tmp_path: Path, seed: int) -> SecondTurn:
     assert isinstance(cache, TieredRadixCache)
     second = first + outputs(run(tiered, [first]))[0] + words(30)
     return SecondTurn(tiered, cache, second, filler, words)
+
+
+def test_prompt_cache_retention_decides_what_reaches_the_disk(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    rng = random.Random(9)
+    first, second = ([rng.randrange(1, 250) for _ in range(150)] for _ in range(2))
+    plain = engine(model_dir, cache="none")
+    tiered = engine(model_dir, l2_dir=tmp_path)
+    cache = tiered.cache
+    assert isinstance(cache, TieredRadixCache)
+    keep = dataclasses.replace(GREEDY, cache_retention="24h")
+    ram_only = dataclasses.replace(GREEDY, cache_retention="in_memory")
+    # A first turn is not admitted by default; "24h" writes it through as it finishes.
+    [out_first] = outputs(run(tiered, [first], keep))
+    assert [out_first] == outputs(run(plain, [first]))
+    assert cache.l2_through_pages == cache.tree.num_l2_pages == 3  # 0..128, then 128..161
+    # "in_memory": nothing of it reaches the disk, not even a later turn that continues it,
+    # which would be admitted (turn 2) were it not below a RAM-only node.
+    written = cache.l2_written_pages
+    out = outputs(run(tiered, [second], ram_only))[0]
+    later = second + out + [rng.randrange(1, 250) for _ in range(30)]
+    assert outputs(run(tiered, [later])) == outputs(run(plain, [later]))
+    assert cache.tree.match(later).node.turn == 2
+    run(tiered, [[rng.randrange(1, 250) for _ in range(380)]])  # evicts both from RAM
+    assert cache.l2_written_pages == written and cache.tree.peek_tiers(later) == 0
+    # The first conversation comes back from disk, its tail page too.
+    again = first + out_first + [rng.randrange(1, 250) for _ in range(10)]
+    assert cache.tree.peek_tiers(again) == len(first) + len(out_first) - 1
+    assert outputs(run(tiered, [again])) == outputs(run(plain, [again]))
+    assert_idle(tiered)

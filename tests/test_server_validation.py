@@ -37,6 +37,8 @@ CORPUS: list[tuple[str, str, str, Any, int, str | None]] = [
     ("body-is-array", "POST", "/v1/completions", [1, 2], 400, None),
     ("missing-prompt", "POST", "/v1/completions", {"max_tokens": 2}, 400, "prompt"),
     ("unknown-param", "POST", "/v1/completions", _c(foo=1), 400, "foo"),
+    ("cache-retention-unknown", "POST", "/v1/chat/completions",
+     _chat(prompt_cache_retention="1h"), 400, "prompt_cache_retention"),
     ("temperature-string", "POST", "/v1/completions", _c(temperature="0.5"), 400, "temperature"),
     ("temperature-negative", "POST", "/v1/completions", _c(temperature=-1), 400, "temperature"),
     ("temperature-too-high", "POST", "/v1/completions", _c(temperature=3), 400, "temperature"),

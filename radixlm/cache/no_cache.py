@@ -10,7 +10,7 @@ import numpy as np
 
 from radixlm.cache.prefix_cache import CacheStats, CommitResult, PrefixCache, SlotPool
 from radixlm.cache.radix_tree import MatchResult, Namespace, RadixTree, TreeNode
-from radixlm.cache.tree_node import NO_SLOTS, TokenIds
+from radixlm.cache.tree_node import DEFAULT_RETENTION, NO_SLOTS, TokenIds
 
 
 class NoCache(PrefixCache):
@@ -43,7 +43,12 @@ class NoCache(PrefixCache):
         """Nothing is shared, so nothing was pinned."""
 
     def commit(
-        self, tokens: TokenIds, slots: np.ndarray, namespace: Namespace, node: TreeNode
+        self,
+        tokens: TokenIds,
+        slots: np.ndarray,
+        namespace: Namespace,
+        node: TreeNode,
+        retention: int = DEFAULT_RETENTION,
     ) -> CommitResult:
         if len(tokens) != len(slots):
             raise ValueError(f"{len(tokens)} tokens but {len(slots)} slots")

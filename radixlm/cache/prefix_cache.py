@@ -26,7 +26,7 @@ import numpy as np
 
 from radixlm.cache.kv_pool import OutOfSlotsError
 from radixlm.cache.radix_tree import MatchResult, Namespace, RadixTree, TreeNode
-from radixlm.cache.tree_node import TokenIds
+from radixlm.cache.tree_node import DEFAULT_RETENTION, TokenIds
 from radixlm.config import CacheConfig
 
 
@@ -102,9 +102,15 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def commit(
-        self, tokens: TokenIds, slots: np.ndarray, namespace: Namespace, node: TreeNode
+        self,
+        tokens: TokenIds,
+        slots: np.ndarray,
+        namespace: Namespace,
+        node: TreeNode,
+        retention: int = DEFAULT_RETENTION,
     ) -> CommitResult:
-        """Hand the whole pages of a request's computed `tokens` to the tree.
+        """Hand the whole pages of a request's computed `tokens` to the tree (new nodes get the
+        request's `retention`, see tree_node.RAM_ONLY).
 
         The caller holds a lock on `node`, whose path is `tokens[:node.depth]` with exactly
         `slots[:node.depth]`; `slots[node.depth:]` are the request's in flight. Positions the
@@ -230,7 +236,12 @@ class RadixCache(PrefixCache):
         self.tree.unlock(node)
 
     def commit(
-        self, tokens: TokenIds, slots: np.ndarray, namespace: Namespace, node: TreeNode
+        self,
+        tokens: TokenIds,
+        slots: np.ndarray,
+        namespace: Namespace,
+        node: TreeNode,
+        retention: int = DEFAULT_RETENTION,
     ) -> CommitResult:
         slots = np.asarray(slots, dtype=np.int64)
         if len(tokens) != len(slots):
@@ -242,7 +253,9 @@ class RadixCache(PrefixCache):
         cached_len = len(tokens) // tree.page_size * tree.page_size
         # After a request's first commit, its next chunks and its output continue its turn
         continues = node if self._drop_head(node) else None
-        inserted = tree.insert(tokens[:cached_len], slots[:cached_len], namespace, continues)
+        inserted = tree.insert(
+            tokens[:cached_len], slots[:cached_len], namespace, continues, retention
+        )
         prefix_len = inserted.prefix_len
         tree.lock(inserted.node)
         tree.unlock(node)

@@ -27,8 +27,10 @@ import numpy as np
 
 from radixlm.cache.eviction import EvictionOrder, EvictionPolicy, make_policy
 from radixlm.cache.tree_node import (
+    DEFAULT_RETENTION,
     I64,
     NO_SLOTS,
+    RAM_ONLY,
     TOKEN_BYTES,
     EvictResult,
     InsertResult,
@@ -143,6 +145,7 @@ class RadixTree:
         slots: np.ndarray,
         namespace: Namespace = None,
         continues: TreeNode | None = None,
+        retention: int = DEFAULT_RETENTION,
     ) -> InsertResult:
         """Add the whole pages of `tokens` with their `slots` (same length as `tokens`).
 
@@ -151,6 +154,8 @@ class RadixTree:
         tree's. The slots of the rest become tree-owned (a new leaf, or nodes an L2 tier held
         without slots). Touches the path like match. `continues`: the node the same request
         inserted last; a new leaf right below it is that request's tail, not a new turn.
+        `retention`: the request's (tree_node.RAM_ONLY / KEEP), given to a new leaf; a leaf
+        below a RAM_ONLY node is RAM_ONLY too.
         """
         ids = tokens if tokens.__class__ is np.ndarray and tokens.dtype == I64 else _as_ids(tokens)
         if slots.__class__ is not np.ndarray or slots.dtype != I64:
@@ -171,7 +176,9 @@ class RadixTree:
                 turn = node.turn  # the same request's output (or next chunk): the same turn
             else:
                 turn = self.turns.turn_of_tail(node, buf, pos, namespace)
-            node = self._add_leaf(node, buf[pos:], slots[pos // TOKEN_BYTES : end], tick, turn)
+            leaf = self._add_leaf(node, buf[pos:], slots[pos // TOKEN_BYTES : end], tick, turn)
+            leaf.retention = RAM_ONLY if node.retention == RAM_ONLY else retention
+            node = leaf
         return InsertResult(prefix_len, node)
 
     def lock(self, node: TreeNode) -> None:
@@ -371,6 +378,7 @@ class RadixTree:
         upper.last_access, upper.hits = child.last_access, child.hits
         upper.turn, upper.turn_below = child.turn, child.turn_below
         upper.priority = child.priority
+        upper.retention = child.retention
         upper.lock_ref = child.lock_ref
         in_ram = len(child.value) > 0  # a node held on L2 only hangs in `l2_children`
         (parent.children if in_ram else parent.l2_children)[child.key[: self._page_bytes]] = upper

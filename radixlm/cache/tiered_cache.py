@@ -43,7 +43,7 @@ from radixlm.cache.page_copy import LoadSink, StagedPage, gather_page
 from radixlm.cache.prefix_cache import PendingMatch, RadixCache
 from radixlm.cache.radix_tree import MatchResult, Namespace, TreeNode
 from radixlm.cache.tiered_tree import PAGE_TOKENS, TieredTree, TierMatch
-from radixlm.cache.tree_node import TokenIds
+from radixlm.cache.tree_node import DEFAULT_RETENTION, KEEP, TokenIds
 from radixlm.cache.turns import TurnTracker
 from radixlm.config import CacheConfig
 
@@ -351,6 +351,8 @@ def open_tiered_cache(config: CacheConfig, pool: object) -> TieredRadixCache | N
 
 
 def _admits(node: TreeNode, turns: TurnTracker) -> bool:
+    if node.retention != DEFAULT_RETENTION:  # the client said (RAM_ONLY or KEEP)
+        return node.retention == KEEP
     if node.turn >= 2 or node.hits > 0:
         return True
     rate = turns.return_rate(node.turn)

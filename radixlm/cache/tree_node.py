@@ -23,6 +23,11 @@ NO_SLOTS = np.empty(0, dtype=np.int64)
 NO_SLOTS.setflags(write=False)
 I64 = np.dtype(np.int64)
 
+# A request's wish for how long its KV is kept (OpenAI's `prompt_cache_retention`), stamped on
+# the nodes it inserts: RAM_ONLY ("in_memory") never goes to the disk tier, nor does anything
+# below it; KEEP ("24h") is written to the disk tier when its request finishes.
+RAM_ONLY, DEFAULT_RETENTION, KEEP = -1, 0, 1
+
 
 class TreeNode:
     """A node and the edge above it. Hold one only while it is locked (or right after match)."""
@@ -44,6 +49,7 @@ class TreeNode:
         "pages",
         "parent",
         "priority",
+        "retention",
         "turn",
         "turn_below",
         "value",
@@ -66,6 +72,7 @@ class TreeNode:
         self.turn = 0  # inferred conversation turn of the request that inserted it; roots 0
         self.turn_below = 0  # the deepest turn among its evicted descendants (cache/turns.py)
         self.priority = 0  # kept by policies that store their priority (never lowered)
+        self.retention = DEFAULT_RETENTION  # RAM_ONLY, DEFAULT_RETENTION or KEEP (above)
         # The L2 tier (cache/tiered_tree.py); untouched without one.
         self.pages: np.ndarray | None = None  # L2 page ids of the pages ending in this edge
         self.l2_children: dict[bytes, TreeNode] = {}  # children held on L2 only (no slots)

@@ -41,8 +41,12 @@ import numpy as np
 from radixlm.cache.kv_pool import OutOfSlotsError
 from radixlm.cache.prefix_cache import PendingMatch, PrefixCache
 from radixlm.cache.radix_tree import MatchResult, RadixTree, TreeNode
+from radixlm.cache.tree_node import DEFAULT_RETENTION, KEEP, RAM_ONLY
 from radixlm.config import SchedulerConfig
 from radixlm.engine.request import Request, RequestState
+
+# SamplingParams.cache_retention -> what the tree stamps on the nodes a request inserts
+RETENTION = {None: DEFAULT_RETENTION, "in_memory": RAM_ONLY, "24h": KEEP}
 
 
 @dataclass(frozen=True)
@@ -316,7 +320,8 @@ class Scheduler:
     def _commit(self, req: Request) -> None:
         """Hand the request's computed whole pages to the tree; it goes on from the tree's."""
         assert req.node is not None  # every running request holds a node
-        res = self.cache.commit(req.all_ids[: req.computed_len], req.slots, req.namespace, req.node)
+        ids, retention = req.all_ids[: req.computed_len], RETENTION[req.params.cache_retention]
+        res = self.cache.commit(ids, req.slots, req.namespace, req.node, retention)
         req.node, req.slots, req.cached_len = res.node, res.slots, res.cached_len
 
     def _retract(self, req: Request, out: SchedulerOutput) -> None:

@@ -195,6 +195,7 @@ def _sampling_params(
             logit_bias=body.logit_bias_pairs,
             min_tokens=body.min_tokens,
             constraint=constraint,
+            cache_retention=body.cache_retention,
         )
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc

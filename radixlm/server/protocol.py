@@ -6,7 +6,8 @@ radixlm does not implement are declared, so a request using them gets "not suppo
 "unrecognized", and rejected unless they hold their no-op value. Extensions follow vLLM's names
 (`top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `cache_salt`,
 `return_token_ids`, `min_tokens`). OpenAI's bookkeeping fields (`store`, `metadata`,
-`prompt_cache_key`, `user`) are accepted and change nothing.
+`prompt_cache_key`, `user`) are accepted and change nothing; its `prompt_cache_retention` tells
+the disk tier what to keep (docs/cache.md).
 
 The chat request and its tools live in `chat_protocol.py`; this file holds the shared fields, the
 completion request and the message schema. What these models guarantee is shape and range; what
@@ -66,6 +67,9 @@ class SamplingRequest(_Strict):
     store: bool | None = None  # OpenAI's stored completions: accepted, nothing is stored
     metadata: dict[str, str] | None = None  # for the caller's records; changes nothing
     prompt_cache_key: str | None = None  # OpenAI's cache routing hint; the radix tree needs none
+    # "24h": write this request's KV to the disk tier at finish; "in_memory": never to disk
+    # ("in-memory": the spelling of OpenAI's first SDKs)
+    prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
     min_tokens: int = Field(0, ge=0)  # end-of-sequence and stop ids are banned until then (vLLM)
     return_token_ids: bool = False  # choices carry their token ids (vLLM's extension)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
@@ -110,6 +114,11 @@ class SamplingRequest(_Strict):
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed when stream is true")
         return self
+
+    @property
+    def cache_retention(self) -> Literal["in_memory", "24h"] | None:
+        value = self.prompt_cache_retention
+        return "in_memory" if value == "in-memory" else value
 
     @property
     def stop_list(self) -> list[str]:
