@@ -13,8 +13,8 @@ import numpy as np
 from radixlm.cache.tree_node import TOKEN_BYTES, TreeNode
 
 if TYPE_CHECKING:
+    from radixlm.cache.paged_tree import PagedTree
     from radixlm.cache.radix_tree import RadixTree
-    from radixlm.cache.tiered_tree import TieredTree
 
 
 class IntegrityError(AssertionError):
@@ -75,9 +75,9 @@ def check_tree(tree: RadixTree) -> None:
     _check_order(tree, members)
 
 
-def check_l2(tree: TieredTree) -> None:
+def check_l2(tree: PagedTree) -> None:
     """The L2 tier's invariants (cache/tiered_tree.py) by a full walk over both tiers."""
-    from radixlm.cache.tiered_tree import PAGE_TOKENS
+    from radixlm.cache.paged_tree import PAGE_TOKENS
 
     page_b = tree.page_size * TOKEN_BYTES
     num_l2_nodes = 0
