@@ -205,3 +205,6 @@ def test_a_conversation_tail_loads_back_bit_exact_and_a_bad_one_is_recomputed(
                 f.write(bytes([byte[0] ^ 1]))
         assert loaded(cache, follow_up) == (2 * PAGE_TOKENS if bad else len(turn))
         assert cache.l2_bad_pages == bad
+        slot = cache.kv.bytes_per_slot  # the tail page moved its 20 tokens' bytes, no more
+        assert cache.l2_stats()["written_bytes"] == len(turn) * slot
+        assert cache.l2_stats()["read_bytes"] == len(turn) * slot

@@ -91,6 +91,8 @@ class L2PageFile:
             raise L2Error(f"L2 page file {path}: {reason}") from e
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
         self._lock = threading.Lock()  # guards the free list (I/O threads never touch it)
+        self._io_lock = threading.Lock()  # guards the byte counters the I/O threads update
+        self.written_bytes = self.read_bytes = 0  # payload bytes moved (a tail page's are fewer)
         # Reads have threads of their own: a load someone waits for never queues behind the
         # writes of the evictions that made room for it.
         self._io = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="l2-write")
@@ -155,6 +157,8 @@ class L2PageFile:
                 parts.pop(0)
             if parts:
                 parts[0] = parts[0][written:]
+        with self._io_lock:
+            self.written_bytes += memoryview(data).nbytes
 
     def _pread(
         self, page: int, key: bytes, sink: Callable[[bytearray], None] | None
@@ -173,6 +177,8 @@ class L2PageFile:
             n = os.preadv(self._fd, [payload], page * self.page_bytes + HEADER_BYTES)
         except OSError:
             return None
+        with self._io_lock:
+            self.read_bytes += n
         if n != length or _checksum(key, payload) != header[24:40]:
             return None
         if sink is not None:

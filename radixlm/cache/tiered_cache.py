@@ -283,7 +283,6 @@ class TieredRadixCache(RadixCache):
 
     def l2_stats(self) -> dict[str, Any]:
         """The L2 tier's counters (read in the engine thread; /v1/cache and /metrics)."""
-        page_bytes = self.l2.payload_bytes
         return {
             "capacity_tokens": self.l2.num_pages * PAGE_TOKENS,
             "num_pages": self.l2.num_pages,
@@ -291,8 +290,8 @@ class TieredRadixCache(RadixCache):
             "num_tree_pages": self.tree.num_l2_pages,
             "num_l2_nodes": self.tree.num_l2_nodes,
             "hit_tokens": self.l2_hit_tokens,
-            "written_bytes": self.l2_written_pages * page_bytes,
-            "read_bytes": self.l2_read_pages * page_bytes,
+            "written_bytes": self.l2.written_bytes,
+            "read_bytes": self.l2.read_bytes,
             "written_pages": self.l2_written_pages,
             "read_pages": self.l2_read_pages,
             "evicted_pages": self.tree.l2_evicted_pages,
