@@ -77,7 +77,7 @@ def check_tree(tree: RadixTree) -> None:
 
 def check_l2(tree: PagedTree) -> None:
     """The L2 tier's invariants (cache/tiered_tree.py) by a full walk over both tiers."""
-    from radixlm.cache.paged_tree import PAGE_TOKENS
+    from radixlm.cache.paged_tree import PAGE_TOKENS, pages_ending_in, wants_tail_page
 
     page_b = tree.page_size * TOKEN_BYTES
     num_l2_nodes = 0
@@ -100,9 +100,8 @@ def check_l2(tree: PagedTree) -> None:
             continue
         _require(node.l2_kids == kids, "L2 children", f"{node!r}: l2_kids {node.l2_kids} != {kids}")
         if node.pages is not None:
-            expected = node.depth // PAGE_TOKENS - node.start // PAGE_TOKENS
-            tail = node.depth % PAGE_TOKENS and not node.children and not node.l2_children
-            _require(expected <= len(node.pages) <= expected + bool(tail), "L2 pages",
+            expected = pages_ending_in(node)
+            _require(expected <= len(node.pages) <= expected + wants_tail_page(node), "L2 pages",
                      f"{node!r} holds {len(node.pages)} pages, {expected} end in it")  # fmt: skip
             pages.append(node.pages)
         leaf = node.pages is not None and not kids and not node.l2_pinned
@@ -133,10 +132,11 @@ def _check_l2_only(
     _require(child.num_tokens > 0 and child.num_tokens % page == 0, "lengths",
              f"{child!r} is not whole pages")  # fmt: skip
     _require(child.depth == parent.depth + child.num_tokens, "lengths", f"{child!r} depth")
-    pages = child.pages if child.pages is not None else ()
-    tail_page = len(pages) > child.depth // page_tokens - child.start // page_tokens
-    _require(child.depth % page_tokens == 0 or bool(child.l2_children) or child.l2_pinned
-             or tail_page, "L2 tails", f"{child!r} keeps a tail that no page holds")  # fmt: skip
+    from radixlm.cache.paged_tree import has_tail_page
+
+    held = child.depth % page_tokens == 0 or child.l2_children or has_tail_page(child)
+    _require(bool(held) or child.l2_pinned, "L2 tails",
+             f"{child!r} keeps a tail that no page holds")  # fmt: skip
 
 
 def _check_edge(parent: TreeNode, first: bytes, child: TreeNode, page: int, page_b: int) -> None:
