@@ -10,7 +10,7 @@ from test_native_kernel import ISAS, require_native_kernels
 
 from radixlm.cache.kv_pool import KVPool
 from radixlm.model import native, packed_linear
-from radixlm.model.backend import ALL_ROWS
+from radixlm.model.backend import ALL_ROWS, Route, matmul_route
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.loader import load_causal_lm
 from radixlm.model.transformer import CausalLM, Linear
@@ -38,7 +38,11 @@ def test_each_matmul_goes_to_the_faster_path(tiny_hf_model, isa: str, monkeypatc
     assert rows >= (native.NATIVE_LINEAR_ROWS if onednn else native.SKINNY_MAX_ROWS)
     tiles = onednn and kernels.runs_linear(ALL_ROWS, onednn_packed=True)  # avx512's
     assert (rows == ALL_ROWS) == tiles
-    assert all(m.native_rows == rows for m in linears(model))
+    for m in linears(model):  # the one route rule (matmul_route) reads the backend's row limit
+        packed = Route.SKINNY if m.skinny is not None else Route.PYTORCH
+        assert matmul_route(m, rows, rows) is packed
+        if rows < ALL_ROWS:
+            assert matmul_route(m, rows + 1, rows) is Route.PYTORCH
     monkeypatch.setenv("RADIXLM_NATIVE", "0")
     reference_path = load_causal_lm(path)
     assert reference_path.backend.native_linear_rows == 0

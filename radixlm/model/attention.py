@@ -153,33 +153,46 @@ def _decode_group(
     return DecodeGroup(token_rows, None, PaddedRuns.of(slot_lists, num_kv_heads), shared)
 
 
-def attend(
+def attend_native(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan
+) -> torch.Tensor:
+    """Attention output (T, heads * head_dim) for q (T, heads, D) by the native kernels, which
+    read K/V in the pool only: k_cache / v_cache, this layer's pool views (num_slots, kv_heads,
+    D), already hold the new tokens' K/V. The plan was built with the kernels."""
+    kernels, group = plan.kernels, plan.decode
+    assert kernels is not None  # NativeBackend.plan builds it with them
+    if plan.pure_decode and group is not None:  # the group's rows are all the rows, in order
+        return _decode_native(kernels, q, k_cache, v_cache, group)
+    num_tokens = q.shape[0]
+    if plan.native_spans is not None:  # every multi-token request at once
+        out = kernels.extend(q, k_cache, v_cache, plan.native_spans).view(num_tokens, -1)
+    else:
+        out = q.new_empty(num_tokens, q.shape[1] * q.shape[2])
+    if group is not None:  # the decodes riding along
+        out[group.token_rows] = _decode_native(
+            kernels, q[group.token_rows], k_cache, v_cache, group
+        )
+    return out
+
+
+def attend_torch(
     q: torch.Tensor,
-    k: torch.Tensor | None,
-    v: torch.Tensor | None,
+    k: torch.Tensor,
+    v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     plan: AttentionPlan,
 ) -> torch.Tensor:
-    """Attention output (T, heads * head_dim) for q (T, heads, D) and the fresh k, v (T, kv, D).
-
-    k_cache / v_cache: this layer's pool views (num_slots, kv_heads, D), already holding k, v.
-    k, v may be None when the plan uses the native kernels (they read the pool only).
-    """
+    """Attention output (T, heads * head_dim) for q (T, heads, D) and the fresh k, v (T, kv, D)
+    by PyTorch's SDPA; k_cache / v_cache as in attend_native."""
     group = plan.decode
-    if plan.pure_decode and group is not None:  # the group's rows are all the rows, in order
-        return _decode(q, k_cache, v_cache, plan, group)
-    num_tokens = q.shape[0]
-    if plan.native_spans is not None and plan.kernels is not None:
-        # every multi-token request at once; the decode rows are filled in below
-        out = plan.kernels.extend(q, k_cache, v_cache, plan.native_spans).view(num_tokens, -1)
-    else:
-        out = q.new_empty(num_tokens, q.shape[1] * q.shape[2])
+    if plan.pure_decode and group is not None:
+        return _decode_torch(q, k_cache, v_cache, plan, group)
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
     for span in plan.spans:
-        assert k is not None and v is not None  # PyTorch extend attention reads the fresh k, v
         out[span.start : span.end] = _extend_one(q, k, v, k_cache, v_cache, plan, span)
     if group is not None:
-        out[group.token_rows] = _decode(q[group.token_rows], k_cache, v_cache, plan, group)
+        out[group.token_rows] = _decode_torch(q[group.token_rows], k_cache, v_cache, plan, group)
     return out
 
 
@@ -207,7 +220,21 @@ def _extend_one(
     return o[0].transpose(0, 1).reshape(qs.shape[2], -1)  # (e, heads * D)
 
 
-def _decode(
+def _decode_native(
+    kernels: Kernels,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: DecodeGroup,
+) -> torch.Tensor:
+    """q (B, heads, D): one query per request of the group -> (B, heads * D)."""
+    assert group.layout is not None  # built with the kernels
+    batch_size, num_heads, head_dim = q.shape
+    o = kernels.decode(q, k_cache, v_cache, group.layout)  # (B, heads, D)
+    return o.view(batch_size, num_heads * head_dim)
+
+
+def _decode_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -216,9 +243,6 @@ def _decode(
 ) -> torch.Tensor:
     """q (B, heads, D): one query per request of the group -> (B, heads * D)."""
     batch_size, num_heads, head_dim = q.shape
-    if plan.kernels is not None and group.layout is not None:
-        o = plan.kernels.decode(q, k_cache, v_cache, group.layout)  # (B, heads, D)
-        return o.view(batch_size, num_heads * head_dim)
     num_kv_heads = k_cache.shape[1]
     qs = q.reshape(batch_size, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B,kv,G,D)
     if group.shared is not None:

@@ -1,15 +1,17 @@
-"""Which kernels a model runs: chosen once when the model is loaded, then passed down.
+"""Which kernels a model runs: a Backend object chosen once when the model is loaded, then
+handed to every layer, which calls its methods (plan, rope_store, attend, add_rms_norm,
+silu_mul, linear, decode_layers) and never asks which backend it holds.
 
 `Backend.choose(model, kernels)` decides it from the model (device, dtype, head size, biases,
 how its weights are packed) and the process's native kernels (native.kernels(): the CPU's
-variant, or None with RADIXLM_NATIVE=0 or no compiler). Three forward paths follow from it:
+variant, or None with RADIXLM_NATIVE=0 or no compiler):
 
-    native fused decode   a pure decode step's whole layer loop in one C call (FusedDecode)
-    native extend         any other step: one module at a time, the native kernels inside
-                          (attention, rope + K/V store, add + norm, SiLU, skinny matmuls)
-    PyTorch reference     Backend() (no kernels): PyTorch ops, oneDNN matmuls, SDPA
+    NativeBackend   csrc/ kernels; a pure decode step's whole layer loop in one C call where it
+                    applies (FusedDecode), else one module at a time with the kernels inside
+    TorchBackend    the reference: PyTorch ops, oneDNN matmuls, SDPA over gathered K/V
 
-Matmuls go by their number of rows, a rule fixed at load per variant (`onednn_packs`, then
+Quantized weights (quant/) go to the integer kernels at every row count. Float matmuls go by
+their number of rows (`matmul_route`), a rule fixed at load per variant (`onednn_packs`, then
 `Backend.native_linear_rows` from Kernels.runs_linear):
 
     up to 16 rows       skinny_linear streams the weight, on every variant
@@ -29,17 +31,24 @@ whether its pool holds K/V the kernels read (`for_pool`) and how many rows a mat
 from __future__ import annotations
 
 import sys
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from enum import Enum
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
+import torch.nn.functional as F
 
 from radixlm.cache.kv_pool import KVPool
 from radixlm.config import DType
-from radixlm.model import native, native_build
+from radixlm.model import native, native_build, packed_linear
+from radixlm.model.attention import AttentionPlan, attend_native, attend_torch
+from radixlm.model.forward_batch import ForwardBatch
+from radixlm.model.quant import reference as quant_reference
+from radixlm.model.rope import apply_rope
 
 if TYPE_CHECKING:
-    from radixlm.model.transformer import CausalLM, DecoderLayer
+    from radixlm.model.transformer import Attention, CausalLM, DecoderLayer, ForwardContext, Linear
 
 
 class FusedDecode:
@@ -96,18 +105,43 @@ class FusedDecode:
         )  # fmt: skip
 
 
+class Route(Enum):
+    """Who multiplies one matmul (`matmul_route`)."""
+
+    SKINNY = "skinny"  # native skinny_linear on the packed float weight (streams or tiles)
+    PYTORCH = "pytorch"  # oneDNN on a packed weight, else F.linear on the dense one
+    QUANT = "quant"  # integer kernels on quantized blocks (quant/)
+
+
+def matmul_route(linear: Linear, num_rows: int, native_rows: int) -> Route:
+    """The one rule for who multiplies `num_rows` rows by `linear`'s weight, given the backend's
+    `native_linear_rows` (0 without kernels):
+
+        quantized blocks                     QUANT, at every row count (one accumulation order:
+                                             decode, prefill, batched and alone give the same bits)
+        packed float, rows <= native_rows    SKINNY (native_linear_rows: see the module's table)
+        otherwise                            PYTORCH (oneDNN where packed, else F.linear)
+    """
+    if linear.quant is not None:
+        return Route.QUANT
+    if linear.skinny is not None and 0 < num_rows <= native_rows:
+        return Route.SKINNY
+    return Route.PYTORCH
+
+
 @dataclass(frozen=True)
-class Backend:
-    """The kernels one model runs. `Backend()` is the PyTorch reference path."""
+class Backend(ABC):
+    """The kernels one model runs, handed to every layer in its ForwardContext. The layers call
+    these methods and never ask which backend they hold: `TorchBackend` (PyTorch ops, the
+    reference) or `NativeBackend` (csrc/ kernels)."""
 
     kernels: native.Kernels | None = None  # the native kernels, or None: PyTorch ops
     fused: FusedDecode | None = None  # pure decode steps in one native call, where it applies
-    # matmuls of up to this many rows go through skinny_linear, larger ones through the weight's
-    # own path (oneDNN for a packed weight, else F.linear); 0 without kernels
+    # matmuls of up to this many rows go through skinny_linear (matmul_route); 0 without kernels
     native_linear_rows: int = 0
 
-    @classmethod
-    def choose(cls, model: CausalLM, kernels: native.Kernels | None) -> Backend:
+    @staticmethod
+    def choose(model: CausalLM, kernels: native.Kernels | None) -> Backend:
         """The native kernels for a float32 or bfloat16 model on CPU whose head size they take
         (a multiple of 16, at most MAX_HEAD_DIM: whole vectors); else the PyTorch path."""
         c = model.config
@@ -119,18 +153,187 @@ class Backend:
             or c.head_dim % 16 != 0
             or c.head_dim > native.MAX_HEAD_DIM
         ):
-            return cls()
+            return TorchBackend()
         fused = FusedDecode(model, kernels) if FusedDecode.applies(model) else None
-        return cls(kernels, fused, _native_linear_rows(model, kernels))
+        return NativeBackend(kernels, fused, _native_linear_rows(model, kernels))
+
+    @abstractmethod
+    def for_pool(self, pool: KVPool) -> Backend:
+        """This backend for a forward over `pool` (the PyTorch path where the kernels cannot
+        read its K/V: a float16 pool)."""
+
+    @abstractmethod
+    def plan(self, batch: ForwardBatch, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype
+             ) -> AttentionPlan:  # fmt: skip
+        """The attention layout of one forward, shared by its layers."""
+
+    @abstractmethod
+    def rope_dtype(self, model_dtype: torch.dtype, qk_norm: bool) -> torch.dtype:
+        """The dtype of the rope tables this backend's rope_store reads."""
+
+    @abstractmethod
+    def add_rms_norm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """h += delta in place (the residual stream; no add when delta is None), then the RMS
+        norm of h times weight."""
+
+    @abstractmethod
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up (T, 2 I), gate first -> (T, I)."""
+
+    @abstractmethod
+    def rope_store(self, attn: Attention, qkv: torch.Tensor, ctx: ForwardContext) -> RopedQKV:
+        """Rotate the new tokens' q and k (after the q/k norms, if any) and write k, v into the
+        pool at ctx.out_slots; q (T, H, D) back, with the fresh k, v where `attend` reads them."""
+
+    @abstractmethod
+    def attend(self, roped: RopedQKV, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               plan: AttentionPlan) -> torch.Tensor:  # fmt: skip
+        """Attention output (T, heads * D) over this layer's pool views, which hold the new K/V."""
+
+    @abstractmethod
+    def linear(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
+        """x (M, in) @ W^T (+ b) -> (M, out), by the route `matmul_route` names."""
+
+    def decode_layers(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+        plan: AttentionPlan, pool: KVPool,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """A pure decode step's whole layer loop in one call -> the final norm's output, or None
+        where this backend has no such call for this step (the caller runs the layer loop)."""
+        return None
+
+
+class RopedQKV(NamedTuple):
+    """rope_store's result: rotated queries, and the fresh k, v (None where attend reads the
+    pool only)."""
+
+    q: torch.Tensor  # (T, H, D)
+    k: torch.Tensor | None  # (T, KV, D)
+    v: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class TorchBackend(Backend):
+    """The reference path: PyTorch ops, oneDNN / F.linear matmuls, SDPA over gathered K/V."""
 
     def for_pool(self, pool: KVPool) -> Backend:
-        """This backend for a forward over `pool`: the PyTorch path where the kernels cannot
-        read its K/V (a float16 pool)."""
+        return self
+
+    def plan(self, batch: ForwardBatch, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype
+             ) -> AttentionPlan:  # fmt: skip
+        return AttentionPlan.build(batch, num_kv_heads, head_dim, kv_dtype, None)
+
+    def rope_dtype(self, model_dtype: torch.dtype, qk_norm: bool) -> torch.dtype:
+        return model_dtype
+
+    def add_rms_norm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        if delta is not None:
+            h += delta
+        return F.rms_norm(h, weight.shape, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+
+    def rope_store(self, attn: Attention, qkv: torch.Tensor, ctx: ForwardContext) -> RopedQKV:
+        return rope_store_torch(attn, qkv, ctx)
+
+    def attend(self, roped: RopedQKV, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               plan: AttentionPlan) -> torch.Tensor:  # fmt: skip
+        assert roped.k is not None and roped.v is not None  # rope_store_torch keeps them
+        return attend_torch(roped.q, roped.k, roped.v, k_cache, v_cache, plan)
+
+    def linear(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
+        if linear.quant is not None:  # the integer kernels' arithmetic, in PyTorch
+            y = quant_reference.linear(x, linear.quant)
+            return y if linear.bias is None else y + linear.bias
+        return packed_linear.linear(x, linear.weight, linear.bias)
+
+
+@dataclass(frozen=True)
+class NativeBackend(Backend):
+    """csrc/ kernels: attention over pool slots, rope + K/V store, add + norm, SiLU, skinny and
+    quantized matmuls, and pure decode steps in one call (`fused`)."""
+
+    kernels: native.Kernels  # never None here
+
+    def for_pool(self, pool: KVPool) -> Backend:
         return self if pool.dtype in native.KV_DTYPES else PYTORCH
 
+    def plan(self, batch: ForwardBatch, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype
+             ) -> AttentionPlan:  # fmt: skip
+        return AttentionPlan.build(batch, num_kv_heads, head_dim, kv_dtype, self.kernels)
 
-PYTORCH = Backend()
+    def rope_dtype(self, model_dtype: torch.dtype, qk_norm: bool) -> torch.dtype:
+        # the native rope_store computes in float32 whatever the model's dtype; q/k norms go
+        # through PyTorch's rope (rope_store_torch) in the model's dtype
+        return model_dtype if qk_norm else torch.float32
+
+    def add_rms_norm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        return self.kernels.add_rms_norm(h, delta, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernels.silu_mul(gate_up.contiguous())
+
+    def rope_store(self, attn: Attention, qkv: torch.Tensor, ctx: ForwardContext) -> RopedQKV:
+        if attn.q_norm is not None:  # q/k norms sit between the projection and the rope
+            return rope_store_torch(attn, qkv, ctx)
+        k_cache, v_cache = ctx.pool.k_cache(attn.layer_id), ctx.pool.v_cache(attn.layer_id)
+        q = self.kernels.rope_store(qkv, ctx.rope, ctx.out_slots, k_cache, v_cache, attn.num_heads)
+        return RopedQKV(q, None, None)
+
+    def attend(self, roped: RopedQKV, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               plan: AttentionPlan) -> torch.Tensor:  # fmt: skip
+        return attend_native(roped.q, k_cache, v_cache, plan)
+
+    def linear(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
+        route = matmul_route(linear, x.shape[0], self.native_linear_rows)
+        if route is Route.QUANT:
+            assert linear.quant is not None
+            y = self.kernels.quant_linear(x, linear.quant)
+        elif route is Route.SKINNY and linear.skinny is not None and linear.skinny.dtype == x.dtype:
+            y = self.kernels.skinny_linear(x.contiguous(), linear.skinny)
+        else:
+            return packed_linear.linear(x, linear.weight, linear.bias)
+        return y if linear.bias is None else y + linear.bias
+
+    def decode_layers(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+        plan: AttentionPlan, pool: KVPool,
+    ) -> torch.Tensor | None:  # fmt: skip
+        # a batch larger than skinny_linear takes (the only matmul decode_step.c has) loops
+        fits = h.shape[0] <= self.native_linear_rows
+        if self.fused is None or not batch.is_pure_decode or plan.decode is None or not fits:
+            return None
+        layout = plan.decode.layout
+        assert layout is not None  # the plan was built with the kernels
+        return self.fused.run(h, rope, batch.out_slots, layout, pool)
+
+
+PYTORCH: Backend = TorchBackend()
 ALL_ROWS = sys.maxsize
+
+
+def rope_store_torch(attn: Attention, qkv: torch.Tensor, ctx: ForwardContext) -> RopedQKV:
+    """PyTorch's rope (after the q/k norms, if any) and the K/V write into the pool."""
+    num_tokens = qkv.shape[0]
+    q, k, v = qkv.split(attn.split_sizes, dim=-1)
+    q = q.view(num_tokens, attn.num_heads, attn.head_dim)  # (T, heads, D)
+    k = k.view(num_tokens, attn.num_kv_heads, attn.head_dim)  # (T, kv_heads, D)
+    v = v.view(num_tokens, attn.num_kv_heads, attn.head_dim)  # (T, kv_heads, D)
+    if attn.q_norm is not None and attn.k_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = apply_rope(q, *ctx.rope), apply_rope(k, *ctx.rope)
+    k_cache, v_cache = ctx.pool.k_cache(attn.layer_id), ctx.pool.v_cache(attn.layer_id)
+    k_cache.index_copy_(0, ctx.out_slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, ctx.out_slots, v.to(v_cache.dtype))
+    return RopedQKV(q, k, v)
 
 
 def onednn_packs(kernels: native.Kernels | None) -> bool:

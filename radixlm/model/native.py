@@ -12,6 +12,7 @@ through ctypes (native_abi.py declares each signature).
     csrc/skinny_linear.c      linear layers on a packed weight: decode batches stream it, larger
                               ones go through register tiles
     csrc/decode_step.c        a decode step through all the decoder layers, calling the above
+    csrc/quant_linear.c       linear layers on quantized weights (quant/): integer dot products
 
 Both attention kernels read K/V where they lie in the pool (float32 or bfloat16), with no
 gather. Why C and not a PyTorch extension: a few small files compile in seconds with the system
@@ -33,6 +34,7 @@ import ctypes
 import functools
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -62,6 +64,9 @@ __all__ = [
     "kv_strides",
     "pack_skinny",
 ]
+
+if TYPE_CHECKING:
+    from radixlm.model.quant import QuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +209,33 @@ class Kernels:
             x=x.data_ptr(), wp=packed.data_ptr(), y=y.data_ptr(), M=num_rows, N=n, K=k,
             bf16=int(x.dtype == torch.bfloat16), num_threads=torch.get_num_threads(),
         )  # fmt: skip
+        return y
+
+    def quant_linear(self, x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+        """x (M, K) float32 or bfloat16 @ W^T for a quantized W -> (M, N) in x's dtype: x
+        quantized once per 32 inputs (the weight's mode), then every part of W multiplied."""
+        num_rows, k = x.shape
+        if x.dtype not in KV_DTYPES or x.device.type != "cpu" or k != weight.in_features:
+            raise ValueError(f"quant_linear: x {tuple(x.shape)} {x.dtype} for {k} inputs")
+        x = x.contiguous()
+        fast = int(weight.mode == "fast")
+        xq = torch.empty(num_rows, k, dtype=torch.int8 if fast else torch.int16)
+        sx = torch.empty(num_rows, k // 32, dtype=torch.float32)
+        bsum = torch.empty(num_rows, k // 32, dtype=torch.int32)
+        bf16, threads = int(x.dtype == torch.bfloat16), torch.get_num_threads()
+        self._fn["quantize_rows"](
+            x=x.data_ptr(), M=num_rows, K=k, bf16=bf16, fast=fast, xq=xq.data_ptr(),
+            sx=sx.data_ptr(), bsum=bsum.data_ptr(), num_threads=threads,
+        )  # fmt: skip
+        n = weight.out_features
+        y = x.new_empty(num_rows, n)
+        for part in weight.parts:
+            self._fn["quant_matmul"](
+                xq=xq.data_ptr(), sx=sx.data_ptr(), bsum=bsum.data_ptr(), M=num_rows, K=k,
+                fast=fast, w=part.records.data_ptr(), N=part.out_features, bits=part.bits,
+                sub=part.sub, has_min=int(part.has_min), y=y[:, part.start :].data_ptr(),
+                y_stride=n, y_bf16=bf16, num_threads=threads,
+            )  # fmt: skip
         return y
 
     def decode_layers(

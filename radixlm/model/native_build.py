@@ -50,6 +50,7 @@ SOURCES = [
         "rms_norm.c",
         "skinny_linear.c",
         "decode_step.c",
+        "quant_linear.c",
     )
 ]
 # included by the sources
@@ -132,6 +133,8 @@ def _within(flags: frozenset[str], probed: frozenset[str]) -> frozenset[str]:
         denied |= {f for f in flags if f.startswith("avx512")}
     if "avx512_bf16" not in probed:
         denied.add("avx512_bf16")
+    if "avx512f" not in probed:
+        denied.add("avx512_vnni")
     if "avx2" not in probed:
         denied |= {"avx2", "fma"}
     return flags - denied
@@ -182,12 +185,14 @@ def compiler() -> str | None:
 
 
 def flags(variant: Variant, cc: str) -> list[str]:
-    """The compile flags of `variant`: bfloat16 dot products in the avx512 build only where
-    this CPU has them (a library is built for the CPU it is installed on) and the compiler
-    knows the flag."""
+    """The compile flags of `variant`: bfloat16 and VNNI dot products in the avx512 build only
+    where this CPU has them (a library is built for the CPU it is installed on) and the
+    compiler knows the flag."""
     march = list(variant.march)
     if variant is AVX512 and "avx512_bf16" in cpu_flags() and _accepts(cc, "-mavx512bf16"):
         march.append("-mavx512bf16")
+    if variant is AVX512 and "avx512_vnni" in cpu_flags() and _accepts(cc, "-mavx512vnni"):
+        march.append("-mavx512vnni")  # vpdpbusd / vpdpwssd for the quantized matmuls
     return [*COMMON_FLAGS, *march]
 
 

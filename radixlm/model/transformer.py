@@ -28,10 +28,11 @@ from radixlm import hugepages
 from radixlm.cache.kv_pool import KVPool
 from radixlm.model import native, packed_linear
 from radixlm.model.arch import ArchConfig
-from radixlm.model.attention import AttentionPlan, attend
+from radixlm.model.attention import AttentionPlan
 from radixlm.model.backend import PYTORCH, Backend, onednn_packs
 from radixlm.model.forward_batch import ForwardBatch
-from radixlm.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from radixlm.model.quant import QuantWeight
+from radixlm.model.rope import inverse_frequencies, rope_cos_sin
 
 # Hugging Face projection name -> (our stacked parameter, index of its block in the stack)
 FUSED_WEIGHTS = {
@@ -44,18 +45,17 @@ FUSED_WEIGHTS = {
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), W (out, in), allocated uninitialized (the loader fills it).
+    """y = x W^T (+ b), W (out, in), allocated uninitialized (the loader fills it). The model's
+    backend multiplies it (Backend.linear, by backend.matmul_route); `forward` is the PyTorch
+    path, for callers outside a forward.
 
-    After `pack`, W is held in oneDNN's layout (where that pays, backend.onednn_packs), and
-    (with the native kernels) also in the skinny kernel's, which matmuls of up to
-    `native_rows` rows then go through (decode batches stream it faster than oneDNN or MKL
-    multiply it). The other copy serves the PyTorch path and the rows the kernels leave to
-    oneDNN or F.linear: a second copy of the weights, memory for speed."""
+    W is held in one of these formats: dense; after `pack`, in oneDNN's layout (where that pays,
+    backend.onednn_packs) and, with the native kernels, also in the skinny kernel's (`skinny`),
+    a second copy, memory for speed; or as quantized blocks (`quant`, from a GGUF file or
+    --quantize), the only copy: `weight` is then an empty placeholder."""
 
     skinny: torch.Tensor | None = None  # W for native.Kernels.skinny_linear
-    # the model's backend's kernels and row limit (CausalLM.use_kernels; Backend.native_linear_rows)
-    skinny_kernels: native.Kernels | None = None
-    native_rows: int = 0
+    quant: QuantWeight | None = None  # W as integer blocks for the quantized kernels
 
     def __init__(
         self,
@@ -72,17 +72,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels, skinny = self.skinny_kernels, self.skinny
-        if (
-            kernels is not None
-            and skinny is not None
-            and x.dim() == 2
-            and 0 < x.shape[0] <= self.native_rows
-            and x.dtype == skinny.dtype
-        ):
-            y = kernels.skinny_linear(x.contiguous(), skinny)
-            return y if self.bias is None else y + self.bias
-        return packed_linear.linear(x, self.weight, self.bias)
+        return PYTORCH.linear(self, x)
 
     def pack(
         self,
@@ -92,7 +82,9 @@ class Linear(nn.Module):
     ) -> None:
         """Hold the weight in oneDNN's blocked layout (see packed_linear) if `onednn`; unties a
         tied one either way. With `kernels`, also keep it in the skinny kernel's layout (in
-        `arena` if given), which forward uses once the model's backend has those kernels."""
+        `arena` if given). A quantized weight stays as it is."""
+        if self.quant is not None:
+            return
         if kernels is not None:
             self.skinny = native.pack_skinny(self.weight, arena)
         dense = self.weight.detach().contiguous()
@@ -117,17 +109,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
-    def add_forward(
-        self, h: torch.Tensor, delta: torch.Tensor | None, kernels: native.Kernels | None
-    ) -> torch.Tensor:
-        """h += delta in place (the residual stream; no add when delta is None), then the norm
-        of h: one native call where the kernels are built, else PyTorch's ops."""
-        if kernels is not None:
-            return kernels.add_rms_norm(h, delta, self.weight, self.eps)
-        if delta is not None:
-            h += delta
-        return self(h)
-
 
 class Attention(nn.Module):
     def __init__(self, config: ArchConfig, layer_id: int, dtype: torch.dtype):
@@ -144,25 +125,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x (T, hidden), normed -> the attention output (T, hidden); the K/V of every token
         of x go into this layer's pool slots first."""
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
+        backend = ctx.backend
+        qkv = backend.linear(self.qkv_proj, x)  # (T, q_size + 2 * kv_size)
+        roped = backend.rope_store(self, qkv, ctx)
         k_cache, v_cache = ctx.pool.k_cache(self.layer_id), ctx.pool.v_cache(self.layer_id)
-        kernels = ctx.backend.kernels
-        if kernels is not None and self.q_norm is None:
-            # rope on q and k, and the K/V write into the pool, in one native call (float32
-            # cos/sin: see CausalLM.forward)
-            q = kernels.rope_store(qkv, ctx.rope, ctx.out_slots, k_cache, v_cache, self.num_heads)
-            return self.o_proj(attend(q, None, None, k_cache, v_cache, ctx.plan))
-        q, k, v = qkv.split(self.split_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, heads, D)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, kv_heads, D)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, kv_heads, D)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *ctx.rope), apply_rope(k, *ctx.rope)
-        k_cache.index_copy_(0, ctx.out_slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, ctx.out_slots, v.to(v_cache.dtype))
-        return self.o_proj(attend(q, k, v, k_cache, v_cache, ctx.plan))
+        return backend.linear(self.o_proj, backend.attend(roped, k_cache, v_cache, ctx.plan))
 
 
 class MLP(nn.Module):
@@ -173,12 +140,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias, dtype)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, dtype)
 
-    def forward(self, x: torch.Tensor, kernels: native.Kernels | None = None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if kernels is not None and gate_up.is_contiguous():
-            return self.down_proj(kernels.silu_mul(gate_up))  # one native call
-        gate, up = gate_up.split(self.split_sizes, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+    def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
+        gate_up = backend.linear(self.gate_up_proj, x)  # (T, 2 I)
+        return backend.linear(self.down_proj, backend.silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -196,14 +160,15 @@ class DecoderLayer(nn.Module):
         previous layer's MLP output) is added to the residual stream by the fused add + norm
         that opens this layer; the first layer gets the embeddings as hidden and no residual
         yet. The residual stream is updated in place."""
-        kernels = ctx.backend.kernels
+        backend, norm1, norm2 = ctx.backend, self.input_layernorm, self.post_attention_layernorm
         if residual is None:
             residual = hidden
-            x = self.input_layernorm.add_forward(residual, None, kernels)
+            x = backend.add_rms_norm(residual, None, norm1.weight, norm1.eps)
         else:
-            x = self.input_layernorm.add_forward(residual, hidden, kernels)
-        x = self.post_attention_layernorm.add_forward(residual, self.self_attn(x, ctx), kernels)
-        return self.mlp(x, kernels), residual
+            x = backend.add_rms_norm(residual, hidden, norm1.weight, norm1.eps)
+        attn = self.self_attn(x, ctx)
+        x = backend.add_rms_norm(residual, attn, norm2.weight, norm2.eps)
+        return self.mlp(x, backend), residual
 
 
 class Decoder(nn.Module):
@@ -252,10 +217,6 @@ class CausalLM(nn.Module):
         """Choose the backend: these native kernels where they apply (Backend.choose), else
         (or with None) the PyTorch path. Called at load; again only to compare paths."""
         self.backend = Backend.choose(self, kernels)
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.skinny_kernels = None if module.skinny is None else self.backend.kernels
-                module.native_rows = self.backend.native_linear_rows
         return self.backend
 
     @property
@@ -289,28 +250,22 @@ class CausalLM(nn.Module):
         self._check_fits(batch, pool)
         c = self.config
         backend = self.backend.for_pool(pool)
-        kernels = backend.kernels
         h = self.model.embed_tokens(batch.input_ids)  # (T, hidden)
-        plan = AttentionPlan.build(batch, c.num_kv_heads, c.head_dim, pool.dtype, kernels)
-        # the native rope_store computes in float32 whatever the model's dtype
-        rope_dtype = torch.float32 if kernels is not None and not c.qk_norm else h.dtype
+        plan = backend.plan(batch, c.num_kv_heads, c.head_dim, pool.dtype)
+        rope_dtype = backend.rope_dtype(h.dtype, c.qk_norm)
         rope = rope_cos_sin(batch.positions, self.inv_freq, rope_dtype)
-        fused = backend.fused is not None and batch.is_pure_decode
-        # a batch larger than skinny_linear takes (the only matmul decode_step.c has) loops
-        if fused and plan.decode is not None and h.shape[0] <= backend.native_linear_rows:
-            layout = plan.decode.layout
-            assert layout is not None and backend.fused is not None  # native kernels
-            x = backend.fused.run(h, rope, batch.out_slots, layout, pool)
-        else:
+        x = backend.decode_layers(h, rope, batch, plan, pool)
+        if x is None:  # the layer loop
             ctx = ForwardContext(backend, plan, rope, batch.out_slots, pool)
             hidden, residual = h, None
             for layer in self.model.layers:
                 hidden, residual = layer(hidden, residual, ctx)
             assert residual is not None  # a model has layers
-            x = self.model.norm.add_forward(residual, hidden, kernels)
+            norm = self.model.norm
+            x = backend.add_rms_norm(residual, hidden, norm.weight, norm.eps)
         if x.shape[0] != batch.logits_indices.numel():  # not every row's logits are wanted
             x = x.index_select(0, batch.logits_indices)  # (R, hidden), normed
-        return self.lm_head(x).float()  # (R, vocab)
+        return backend.linear(self.lm_head, x).float()  # (R, vocab)
 
     def _check_fits(self, batch: ForwardBatch, pool: KVPool) -> None:
         c = self.config

@@ -1,0 +1,126 @@
+"""The quantized kernels' weight layout: Blocks repacked once at load into column-interleaved
+records that csrc/quant_linear.c streams.
+
+A weight of N outputs and K inputs is cut into groups of 8 outputs (columns) and blocks of 32
+inputs; record (g, b) holds group g's block b and the records of a group follow each other, so
+one group's weights are one stream:
+
+    record = [ q: 8 cols x 32 inputs, 4 or 8 bits (128 or 256 bytes) ]
+             [ scales: sub x 8 float32 ]  [ mins: 8 float32, where the type has them ]
+
+Inside q, the order is the one the kernel's unpacking produces without shuffles (x86's byte
+unpacks and sign extensions work inside 128-bit lanes), so that every 256-bit vector it makes
+holds the 8 columns side by side:
+
+    exact (int16 activations)  vector s = 16 int16, lanes (2j, 2j+1) = column j, inputs 2s, 2s+1
+                               (vpmaddwd: one int32 lane per column, two inputs at a time)
+    fast (int8 activations)    vector s = 32 bytes, lanes 4j..4j+3 = column j, inputs 4s..4s+3
+                               (vpmaddubsw + vpmaddwd, or vpdpbusd: four inputs at a time)
+
+4-bit values come 64 to a 32-byte load: its low nibbles make one vector (fast) or two (exact,
+the low and high halves of a byte unpack), its high nibbles the next. `_BYTE` and `_SHIFT` map
+(column, input) to where its bits lie; packing and unpacking both read them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from radixlm.model.quant.blocks import Blocks
+
+GROUP = 8  # outputs per record
+BLOCK = 32  # inputs per record
+MODES = ("exact", "fast")
+
+
+def _exact_positions(bits: int) -> tuple[np.ndarray, np.ndarray]:
+    byte = np.zeros((GROUP, BLOCK), dtype=np.int64)
+    shift = np.zeros((GROUP, BLOCK), dtype=np.int64)
+    for s in range(16):  # the 16 int16 vectors of a block
+        for lane in range(16):
+            j, k = lane // 2, 2 * s + lane % 2
+            if bits == 8:  # vpmovsxbw of 16 bytes
+                byte[j, k] = 16 * s + lane
+                continue
+            chunk, u = divmod(s, 4)  # 32-byte load; u: lo/hi nibble x unpacklo/hi
+            high_nibble, unpack_high = divmod(u, 2)
+            if not unpack_high:  # vpunpcklbw: bytes 0..7, then 16..23
+                within = lane if lane < 8 else lane + 8
+            else:  # vpunpckhbw: bytes 8..15, then 24..31
+                within = lane + 8 if lane < 8 else lane + 16
+            byte[j, k] = 32 * chunk + within
+            shift[j, k] = 4 * high_nibble
+    return byte, shift
+
+
+def _fast_positions(bits: int) -> tuple[np.ndarray, np.ndarray]:
+    byte = np.zeros((GROUP, BLOCK), dtype=np.int64)
+    shift = np.zeros((GROUP, BLOCK), dtype=np.int64)
+    for s in range(8):  # the 8 byte vectors of a block
+        for pos in range(32):
+            j, k = pos // 4, 4 * s + pos % 4
+            if bits == 8:
+                byte[j, k] = 32 * s + pos
+            else:
+                chunk, high_nibble = divmod(s, 2)
+                byte[j, k], shift[j, k] = 32 * chunk + pos, 4 * high_nibble
+    return byte, shift
+
+
+_POSITIONS = {
+    (mode, bits): (_exact_positions if mode == "exact" else _fast_positions)(bits)
+    for mode in MODES
+    for bits in (4, 8)
+}
+
+
+def record_bytes(bits: int, sub: int, has_min: bool) -> int:
+    return GROUP * BLOCK * bits // 8 + 4 * GROUP * sub + (4 * GROUP if has_min else 0)
+
+
+def pack(blocks: Blocks, mode: str) -> np.ndarray:
+    """Blocks of an (N, K) weight -> (N/8, K/32, record_bytes) uint8 records for `mode`."""
+    n, k = blocks.q.shape
+    if n % GROUP or k % BLOCK:
+        raise ValueError(f"a ({n}, {k}) weight is not whole groups of {GROUP} x {BLOCK}")
+    groups, nblocks, bits, sub = n // GROUP, k // BLOCK, blocks.bits, blocks.sub
+    qbytes = GROUP * BLOCK * bits // 8
+    byte, shift = _POSITIONS[(mode, bits)]
+    # (groups, blocks, 8 columns, 32 inputs) of the stored bits
+    q = blocks.q.view(np.uint8).reshape(groups, GROUP, nblocks, BLOCK).transpose(0, 2, 1, 3)
+    out = np.zeros((groups, nblocks, qbytes), dtype=np.uint16)
+    np.add.at(out, (slice(None), slice(None), byte), q.astype(np.uint16) << shift)  # type: ignore[arg-type]
+    qs = out.astype(np.uint8)
+    scales = blocks.scales.reshape(groups, GROUP, nblocks, sub).transpose(0, 2, 3, 1)
+    parts = [qs, np.ascontiguousarray(scales, dtype=np.float32).view(np.uint8).reshape(
+        groups, nblocks, -1)]  # fmt: skip
+    if blocks.mins is not None:
+        mins = blocks.mins.reshape(groups, GROUP, nblocks).transpose(0, 2, 1)
+        parts.append(np.ascontiguousarray(mins, dtype=np.float32).view(np.uint8).reshape(
+            groups, nblocks, -1))  # fmt: skip
+    return np.ascontiguousarray(np.concatenate(parts, axis=2))
+
+
+def unpack_rows(
+    records: np.ndarray, rows: np.ndarray, bits: int, sub: int, has_min: bool, mode: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The integer values, scales and mins of output rows `rows` (the inverse of `pack`, for
+    those rows): q (R, K) int16, scales (R, K/32, sub) float32, mins (R, K/32) float32 or None."""
+    qbytes = GROUP * BLOCK * bits // 8
+    byte, shift = _POSITIONS[(mode, bits)]
+    group, lane = np.divmod(rows, GROUP)
+    rec = records[group]  # (R, K/32, record)
+    nblocks = rec.shape[1]
+    where = np.repeat(byte[lane][:, None, :], nblocks, axis=1)  # (R, K/32, 32)
+    mine = np.take_along_axis(rec[:, :, :qbytes], where, axis=2)
+    values = (mine >> shift[lane][:, None, :].astype(np.uint8)).astype(np.uint8)
+    q = (values & 0x0F if bits == 4 else values.view(np.int8)).astype(np.int16)
+    r = np.arange(len(rows))
+    scale_bytes = rec[:, :, qbytes : qbytes + 4 * GROUP * sub]
+    scales = np.ascontiguousarray(scale_bytes).view(np.float32).reshape(-1, nblocks, sub, GROUP)
+    scales = scales[r, :, :, lane]  # (R, K/32, sub)
+    mins = None
+    if has_min:
+        min_bytes = np.ascontiguousarray(rec[:, :, qbytes + 4 * GROUP * sub :])
+        mins = min_bytes.view(np.float32).reshape(-1, nblocks, GROUP)[r, :, lane]
+    return q.reshape(len(rows), -1), scales, mins
