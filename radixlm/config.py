@@ -17,6 +17,11 @@ DType = Literal["float32", "bfloat16", "float16"]
 # bfloat16 where the native kernels have bfloat16 dot products (AVX512-BF16), else float32.
 ModelDType = Literal["auto", "float32", "bfloat16", "float16"]
 CachedTokensReport = Literal["exact", "page", "none"]
+# What quantized weights (a GGUF file's blocks, or --quantize) become: kept as integer blocks
+# for the quantized kernels, with int16 activations ("exact": greedy output as the float model
+# on the dequantized weights) or int8 ("fast"); or "float", dequantized to the model's dtype.
+QuantMode = Literal["exact", "fast", "float"]
+Quantize = Literal["none", "q8_0"]
 
 
 @dataclass(frozen=True)
@@ -27,8 +32,14 @@ class ModelConfig:
     dtype: ModelDType = "auto"
     device: str = "cpu"
     num_threads: int | None = None  # torch intra-op threads; None = the cores available
+    quant: QuantMode = "exact"
+    quantize: Quantize = "none"  # a float checkpoint's linear weights quantized at load
 
     def __post_init__(self) -> None:
+        if self.quant not in ("exact", "fast", "float"):
+            raise ValueError(f"quant must be exact, fast or float, got {self.quant!r}")
+        if self.quantize not in ("none", "q8_0"):
+            raise ValueError(f"quantize must be none or q8_0, got {self.quantize!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"

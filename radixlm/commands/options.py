@@ -30,6 +30,10 @@ _HELP = {
     "dtype": "weights and activations; auto: bfloat16 where the CPU has AVX512-BF16 dot "
     "products, else float32 (docs/kernels.md)",
     "device": "cpu or cuda[:N]",
+    "quant": "quantized weights (GGUF blocks, --quantize): exact keeps them as integer blocks "
+    "with int16 activations (greedy output as on the dequantized weights); fast with int8 "
+    "activations (llama.cpp's numerics); float dequantizes them (docs/kernels.md)",
+    "quantize": "quantize a float checkpoint's linear weights at load (q8_0: int8 per 32)",
     "num_threads": "torch threads (default: the cores available)",
     "num_slots": "KV slots (tokens) in the pool",
     "page_size": "tokens per page of the prefix cache",

@@ -42,7 +42,10 @@ class ModelRunner:
         self.dtype = dtype
         if model_config.dtype == "auto":
             log.info("dtype auto: %s on this CPU", dtype)
-        loaded = load_model(model_config.path, dtype, model_config.device, progress=progress)
+        loaded = load_model(
+            model_config.path, dtype, model_config.device, progress=progress,
+            quant=model_config.quant, quantize=model_config.quantize,
+        )  # fmt: skip
         self.model = loaded.model
         self.arch = loaded.config
         self.tokenizer = Tokenizer(loaded.tokenizer, extra_eos_token_ids=self.arch.eos_token_ids)

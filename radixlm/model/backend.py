@@ -55,8 +55,10 @@ class FusedDecode:
     """A pure decode step's layer loop as one native call (csrc/decode_step.c): the same kernels
     in the same order as the Python loop, so the same bits, without ~270 calls' worth of module,
     ctypes and tensor glue per step. Built for models it can run: no biases or q/k norms, and
-    every projection packed for the skinny kernel in the model's dtype. It holds the weights'
-    addresses, so it is built after packing (the pool's addresses come with every call)."""
+    every projection either packed for the skinny kernel in the model's dtype or held as
+    quantized blocks (`quant`: then each matmul's address is a descriptor of its parts). It
+    holds the weights' addresses, so it is built after packing (the pool's come with every
+    call)."""
 
     def __init__(self, model: CausalLM, kernels: native.Kernels):
         c = model.config
@@ -66,15 +68,29 @@ class FusedDecode:
             c.intermediate_size, c.rms_norm_eps,
         )  # fmt: skip
         self.final_norm = model.model.norm.weight
+        self.quant = _projections(model)[0].quant is not None
+        self.descriptors: list[torch.Tensor] = []  # kept alive: decode_step.c reads them
         rows = []  # per layer, the 6 weight addresses in decode_step.c's column order
         for layer in cast("list[DecoderLayer]", list(model.model.layers)):
             a, mlp = layer.self_attn, layer.mlp
-            packed = [p.skinny for p in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            assert all(w is not None for w in packed)  # see `applies`
-            qkv, o, gate_up, down = cast(list[torch.Tensor], packed)
+            matmuls = [self._address(p) for p in (a.qkv_proj, a.o_proj, mlp.gate_up_proj,
+                                                  mlp.down_proj)]  # fmt: skip
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            rows.append([t.data_ptr() for t in (norms[0], qkv, o, norms[1], gate_up, down)])
+            qkv, o, gate_up, down = matmuls
+            rows.append([norms[0].data_ptr(), qkv, o, norms[1].data_ptr(), gate_up, down])
         self.weights = torch.tensor(rows, dtype=torch.int64)  # (num_layers, 6)
+
+    def _address(self, linear: Linear) -> int:
+        if linear.quant is None:
+            assert linear.skinny is not None  # see `applies`
+            return linear.skinny.data_ptr()
+        q = linear.quant
+        fields = [int(q.mode == "fast"), len(q.parts)]
+        for p in q.parts:
+            fields += [p.records.data_ptr(), p.out_features, p.start, p.bits, p.sub, p.has_min]
+        descriptor = torch.tensor(fields, dtype=torch.int64)
+        self.descriptors.append(descriptor)
+        return descriptor.data_ptr()
 
     @staticmethod
     def applies(model: CausalLM) -> bool:
@@ -82,12 +98,10 @@ class FusedDecode:
         dtype = model.model.embed_tokens.weight.dtype
         if c.qk_norm or c.qkv_bias or c.o_bias or c.mlp_bias or dtype not in native.KV_DTYPES:
             return False
-        for layer in cast("list[DecoderLayer]", list(model.model.layers)):
-            a, mlp = layer.self_attn, layer.mlp
-            for linear in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                if linear.skinny is None or linear.skinny.dtype != dtype:
-                    return False
-        return True
+        projections = _projections(model)
+        if all(p.quant is not None for p in projections):
+            return True
+        return all(p.skinny is not None and p.skinny.dtype == dtype for p in projections)
 
     def run(
         self,
@@ -101,8 +115,17 @@ class FusedDecode:
         residual stream, as after the Python loop."""
         return self.kernels.decode_layers(
             h, self.weights, pool.layer_addresses(), pool.kv_strides(), self.final_norm,
-            self.shape, rope, out_slots, pool.dtype, layout,
+            self.shape, rope, out_slots, pool.dtype, layout, self.quant,
         )  # fmt: skip
+
+
+def _projections(model: CausalLM) -> list[Linear]:
+    """Every decoder layer's four matmuls."""
+    out = []
+    for layer in cast("list[DecoderLayer]", list(model.model.layers)):
+        a, mlp = layer.self_attn, layer.mlp
+        out += [a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    return out
 
 
 class Route(Enum):
@@ -307,9 +330,11 @@ class NativeBackend(Backend):
         self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
         plan: AttentionPlan, pool: KVPool,
     ) -> torch.Tensor | None:  # fmt: skip
-        # a batch larger than skinny_linear takes (the only matmul decode_step.c has) loops
-        fits = h.shape[0] <= self.native_linear_rows
-        if self.fused is None or not batch.is_pure_decode or plan.decode is None or not fits:
+        if self.fused is None or not batch.is_pure_decode or plan.decode is None:
+            return None
+        # a float batch larger than skinny_linear takes (decode_step.c's float matmul) loops;
+        # quantized matmuls take any number of rows
+        if not self.fused.quant and h.shape[0] > self.native_linear_rows:
             return None
         layout = plan.decode.layout
         assert layout is not None  # the plan was built with the kernels

@@ -2,7 +2,8 @@
 
 GGUF metadata becomes a `config.json`-style dict (so `ArchConfig.from_hf` validates both
 formats the same way) and GGUF tensor names are renamed to Hugging Face ones through
-`GGUF_TO_HF`. Weights are dequantized to float32 with the `gguf` package.
+`GGUF_TO_HF`. Weights are dequantized to float32 with the `gguf` package, except those the
+caller keeps as integer blocks (quant/blocks.py), which are decoded but not dequantized.
 
 One trap: llama.cpp's converter permutes the rows of q_proj and k_proj of `llama` models so
 that its rope can rotate adjacent pairs (x0, x1), (x2, x3), ...; our rope, like Hugging Face's,
@@ -12,12 +13,14 @@ rotates the two halves of each head. `_unpermute_rope_rows` undoes that permutat
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import gguf
 import numpy as np
 import torch
+
+from radixlm.model.quant.blocks import QUANT_TYPES, Blocks, decode
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
 GGUF_TO_HF = {
@@ -94,12 +97,38 @@ class GGUFCheckpoint:
             "eos_token_id": self._field("tokenizer.ggml.eos_token_id", None),
         }
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, float32 tensor) for every tensor, dequantized one at a time."""
+    def quantized(self) -> dict[str, str]:
+        """Hugging Face name -> GGUF type of every 2-D tensor in a type the quantized kernels
+        run (blocks.QUANT_TYPES)."""
+        return {
+            hf_name(t.name): t.tensor_type.name
+            for t in self.reader.tensors
+            if t.tensor_type.name in QUANT_TYPES and len(t.shape) == 2
+        }
+
+    def weights(
+        self, keep_blocks: Callable[[str], bool] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor | Blocks]]:
+        """(Hugging Face name, float32 tensor) for every tensor, dequantized one at a time; or
+        (name, Blocks) for the quantized ones `keep_blocks(name)` asks to keep."""
         num_heads = int(self._field(f"{self.arch}.attention.head_count"))
         num_kv_heads = int(self._field(f"{self.arch}.attention.head_count_kv", num_heads))
+        quantized = self.quantized()
         for tensor in self.reader.tensors:
             name = hf_name(tensor.name)
+            heads = None
+            if self.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+                heads = num_heads
+            elif self.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+                heads = num_kv_heads
+            shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists dims fastest-first
+            if keep_blocks is not None and name in quantized and keep_blocks(name):
+                rows, cols = shape
+                blocks = decode(tensor.data, tensor.tensor_type, (rows, cols))
+                if heads is not None:  # rope's row order, on whole rows of blocks
+                    blocks = blocks.take_rows(_unpermute_rope_rows(np.arange(rows), heads))
+                yield name, blocks
+                continue
             try:
                 array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             except NotImplementedError as e:
@@ -107,12 +136,9 @@ class GGUFCheckpoint:
                     f"{self.path}: tensor {tensor.name} has unsupported quantization type "
                     f"{tensor.tensor_type.name}"
                 ) from e
-            # GGUF lists dims fastest-first; numpy (and torch) want them slowest-first.
-            array = array.reshape([int(d) for d in reversed(tensor.shape)])
-            if self.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-                array = _unpermute_rope_rows(array, num_heads)
-            elif self.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-                array = _unpermute_rope_rows(array, num_kv_heads)
+            array = array.reshape(shape)
+            if heads is not None:
+                array = _unpermute_rope_rows(array, heads)
             array = np.ascontiguousarray(array, dtype=np.float32)
             if not array.flags.writeable:  # F32 tensors are views of the read-only mmap
                 array = array.copy()

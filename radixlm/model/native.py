@@ -250,12 +250,14 @@ class Kernels:
         out_slots: torch.Tensor,
         kv_dtype: torch.dtype,
         layout: DecodeLayout,
+        quant: bool = False,
     ) -> torch.Tensor:
         """A decode step through every decoder layer (csrc/decode_step.c): h (B, hidden), the
         embeddings, becomes the residual stream after the last layer (in place); returns the
         final norm of it. `weights` (num_layers, 6) int64 holds each layer's weight addresses
         (input norm, packed Wqkv, packed Wo, post-attention norm, packed Wgate_up, packed
-        Wdown), `kv` (num_layers, 2) its K and V pool views' (KVPool.layer_addresses), whose
+        Wdown; with `quant`, the matmuls' quant descriptors: backend.FusedDecode), `kv`
+        (num_layers, 2) its K and V pool views' (KVPool.layer_addresses), whose
         slot and head strides (elements) are `kv_strides` (KVPool.kv_strides); rope as
         rope_store takes it; one token per request of `layout`."""
         num_rows = h.shape[0]
@@ -285,7 +287,8 @@ class Kernels:
             inter=shape.intermediate, eps=shape.eps, bf16=int(bf16), kv_mode=kv_mode,
             scale=d**-0.5, cos=cos.data_ptr(), sin=sin.data_ptr(), out_slots=slots.data_ptr(),
             num_units=layout.num_units, units=units, shared=shared, own=own,
-            member_row=member_row, slots=slot_lists, num_threads=torch.get_num_threads(),
+            member_row=member_row, slots=slot_lists, quant=int(quant),
+            num_threads=torch.get_num_threads(),
         )  # fmt: skip
         return x
 

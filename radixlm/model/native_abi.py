@@ -52,7 +52,8 @@ SIGNATURES: dict[str, tuple[tuple[str, Any], ...]] = {
         ("head_stride", I64), ("final_norm", P), ("num_layers", I64), ("B", I64),
         ("hidden", I64), ("num_heads", I64), ("num_kv_heads", I64), ("head_dim", I64),
         ("inter", I64), ("eps", F32), ("bf16", I32), ("kv_mode", I32), ("scale", F32),
-        ("cos", P), ("sin", P), ("out_slots", P), *_DECODE_LAYOUT, ("num_threads", I32),
+        ("cos", P), ("sin", P), ("out_slots", P), *_DECODE_LAYOUT, ("quant", I32),
+        ("num_threads", I32),
     ),
     "quantize_rows": (
         ("x", P), ("M", I64), ("K", I64), ("bf16", I32), ("fast", I32), ("xq", P), ("sx", P),

@@ -92,11 +92,18 @@ class Linear(nn.Module):
 
 
 class Embedding(nn.Module):
+    """Token embeddings: rows of a float weight, or rows dequantized from quantized blocks
+    (`quant`, shared with a tied LM head)."""
+
+    quant: QuantWeight | None = None
+
     def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, dim, dtype=dtype), False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.dequantize_rows(input_ids).to(self.weight.dtype)
         return F.embedding(input_ids, self.weight)
 
 
@@ -237,7 +244,7 @@ class CausalLM(nn.Module):
             sizes = [
                 hugepages.Arena.size_of(m.weight.numel(), m.weight.dtype)
                 for m in linears
-                if native.can_pack_skinny(m.weight)
+                if m.quant is None and native.can_pack_skinny(m.weight)
             ]
             arena = hugepages.Arena(sum(sizes))
         onednn = onednn_packs(kernels)

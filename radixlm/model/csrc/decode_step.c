@@ -17,6 +17,11 @@
        h += a Wd; x = next norm(h)     skinny_linear, add_rms_norm (the next layer's input norm,
                                        or the final norm after the last layer)
 
+   Quantized models (`quant`): each matmul's address is instead a descriptor (int64s, built by
+   backend.FusedDecode): fast, number of parts, then per part its records, outputs, first
+   output, bits, scales per 32 inputs, mins; the rows are quantized once per matmul
+   (quantize_rows) and every part multiplied (quant_matmul), as Kernels.quant_linear does.
+
    Layouts: h, x (B, hidden) in the model's dtype (float32, or bfloat16 when `bf16`); weights
    (num_layers, 6) addresses: input norm weight, packed Wqkv, packed Wo, post-attention norm
    weight, packed Wgate_up, packed Wdown (pack_skinny's layout); kv (num_layers, 2) addresses
@@ -46,6 +51,39 @@ int decode_attention(const float *q, const void *k, const void *v, float *out, i
                      int num_threads);
 int silu_mul(const void *gate_up, void *act, int64_t num_tokens, int64_t inter, int bf16,
              int num_threads);
+int quantize_rows(const void *x, int64_t M, int64_t K, int32_t bf16, int32_t fast, void *xq,
+                  float *sx, int32_t *bsum, int32_t num_threads);
+int quant_matmul(const void *xq, const float *sx, const int32_t *bsum, int64_t M, int64_t K,
+                 int32_t fast, const uint8_t *w, int64_t N, int32_t bits, int32_t sub,
+                 int32_t has_min, void *y, int64_t y_stride, int32_t y_bf16, int32_t num_threads);
+
+/* Scratch for quantized rows: up to B x K inputs. */
+typedef struct {
+    void *xq;
+    float *sx;
+    int32_t *bsum;
+} QuantRows;
+
+enum { D_FAST, D_PARTS, D_HEAD }; /* a descriptor's header; then per part: */
+enum { P_RECORDS, P_N, P_START, P_BITS, P_SUB, P_HAS_MIN, P_SIZE };
+
+/* y (B, N) = x (B, K) W^T for W packed for skinny_linear, or described by a quant descriptor. */
+static int linear(const void *x, const int64_t *w, void *y, int64_t B, int64_t N, int64_t K,
+                  int bf16, int quant, QuantRows *rows, int num_threads)
+{
+    if (!quant) return skinny_linear(x, (const void *)w, y, B, N, K, bf16, num_threads);
+    const int fast = (int)w[D_FAST];
+    int status = quantize_rows(x, B, K, bf16, fast, rows->xq, rows->sx, rows->bsum, num_threads);
+    const int64_t elem = bf16 ? 2 : 4;
+    for (int64_t p = 0; status == 0 && p < w[D_PARTS]; p++) {
+        const int64_t *part = w + D_HEAD + p * P_SIZE;
+        status = quant_matmul(rows->xq, rows->sx, rows->bsum, B, K, fast,
+                              (const uint8_t *)part[P_RECORDS], part[P_N], (int32_t)part[P_BITS],
+                              (int32_t)part[P_SUB], (int32_t)part[P_HAS_MIN],
+                              (char *)y + part[P_START] * elem, N, bf16, num_threads);
+    }
+    return status;
+}
 
 enum { IN_NORM, QKV, O, POST_NORM, GATE_UP, DOWN, PER_LAYER }; /* the weights' columns */
 
@@ -78,15 +116,23 @@ int decode_layers(void *h, void *x, const int64_t *layers, const int64_t *kv,
                   int kv_mode, float scale, const float *cos, const float *sin,
                   const int64_t *out_slots, int64_t num_units, const int64_t *units,
                   const int64_t *shared, const int64_t *own, const int64_t *member_row,
-                  const int64_t *slots, int num_threads)
+                  const int64_t *slots, int quant, int num_threads)
 {
     const int64_t elem = bf16 ? 2 : 4, q_size = num_heads * head_dim;
     const int64_t qkv_size = q_size + 2 * num_kv_heads * head_dim;
     /* Scratch: qkv, q (model dtype), q32, o32 (float32), o, delta, gate_up, act (model dtype) */
     char *qkv = malloc((size_t)(B * (qkv_size + q_size + hidden + 3 * inter) * elem));
     float *q32 = malloc((size_t)(2 * B * q_size) * sizeof(float));
+    const int64_t widest = inter > q_size ? (inter > hidden ? inter : hidden)
+                                          : (q_size > hidden ? q_size : hidden);
+    QuantRows rows = {NULL, NULL, NULL};
+    if (quant) {
+        rows.xq = malloc((size_t)(B * widest * 2));
+        rows.sx = malloc((size_t)(B * widest / 32 + 1) * sizeof(float));
+        rows.bsum = malloc((size_t)(B * widest / 32 + 1) * sizeof(int32_t));
+    }
     int status = 0;
-    if (qkv == NULL || q32 == NULL) {
+    if (qkv == NULL || q32 == NULL || (quant && (!rows.xq || !rows.sx || !rows.bsum))) {
         status = 100;
         goto done;
     }
@@ -99,7 +145,8 @@ int decode_layers(void *h, void *x, const int64_t *layers, const int64_t *kv,
     for (int64_t l = 0; l < num_layers; l++) {
         const int64_t *w = layers + l * PER_LAYER;
         void *k = (void *)kv[2 * l], *v = (void *)kv[2 * l + 1];
-        CHECK(skinny_linear(x, (const void *)w[QKV], qkv, B, qkv_size, hidden, bf16, num_threads));
+        CHECK(linear(x, (const int64_t *)w[QKV], qkv, B, qkv_size, hidden, bf16, quant, &rows,
+                     num_threads));
         CHECK(rope_store(qkv, B, qkv_size, num_heads, num_kv_heads, head_dim, slot_stride,
                          head_stride, cos, sin, out_slots, k, v, kv_mode != 0, bf16, q,
                          num_threads));
@@ -108,19 +155,23 @@ int decode_layers(void *h, void *x, const int64_t *layers, const int64_t *kv,
                                head_stride, kv_mode, scale, num_units, units, shared, own,
                                member_row, slots, num_threads));
         from_float(o32, o, B * q_size, bf16);
-        CHECK(skinny_linear(o, (const void *)w[O], delta, B, hidden, q_size, bf16, num_threads));
+        CHECK(linear(o, (const int64_t *)w[O], delta, B, hidden, q_size, bf16, quant, &rows,
+                     num_threads));
         CHECK(add_rms_norm(h, delta, (const void *)w[POST_NORM], x, B, hidden, eps, bf16,
                            num_threads));
-        CHECK(skinny_linear(x, (const void *)w[GATE_UP], gate_up, B, 2 * inter, hidden, bf16,
-                            num_threads));
+        CHECK(linear(x, (const int64_t *)w[GATE_UP], gate_up, B, 2 * inter, hidden, bf16, quant,
+                     &rows, num_threads));
         CHECK(silu_mul(gate_up, act, B, inter, bf16, num_threads));
-        CHECK(skinny_linear(act, (const void *)w[DOWN], delta, B, hidden, inter, bf16,
-                            num_threads));
+        CHECK(linear(act, (const int64_t *)w[DOWN], delta, B, hidden, inter, bf16, quant, &rows,
+                     num_threads));
         const void *next_norm = l + 1 < num_layers ? (const void *)w[PER_LAYER + IN_NORM]
                                                    : final_norm;
         CHECK(add_rms_norm(h, delta, next_norm, x, B, hidden, eps, bf16, num_threads));
     }
 done:
+    free(rows.xq);
+    free(rows.sx);
+    free(rows.bsum);
     free(q32);
     free(qkv);
     return status;

@@ -39,6 +39,11 @@ class Blocks:
     sub: int  # scales per 32 inputs: 1, or 2 (Q6_K's groups of 16)
     source: str  # the GGUF type name
 
+    def take_rows(self, order: np.ndarray) -> Blocks:
+        """These blocks with their rows (outputs) in `order`."""
+        mins = None if self.mins is None else self.mins[order]
+        return Blocks(self.q[order], self.scales[order], mins, self.bits, self.sub, self.source)
+
     def dequantize(self) -> np.ndarray:
         """The float32 weight (what gguf.quants.dequantize gives)."""
         rows, cols = self.q.shape

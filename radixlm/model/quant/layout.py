@@ -74,6 +74,22 @@ _POSITIONS = {
 }
 
 
+def _sources(mode: str, bits: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Per byte of a record's q: the (column * 32 + input) whose bits it holds (the low nibble
+    and the high one for 4-bit values): `_POSITIONS` inverted, for packing by gathers."""
+    byte, shift = _POSITIONS[(mode, bits)]
+    qbytes = GROUP * BLOCK * bits // 8
+    low = np.zeros(qbytes, dtype=np.int64)
+    high = np.zeros(qbytes, dtype=np.int64)
+    flat = np.arange(GROUP * BLOCK).reshape(GROUP, BLOCK)
+    low[byte[shift == 0]] = flat[shift == 0]
+    high[byte[shift == 4]] = flat[shift == 4]
+    return low, (high if bits == 4 else None)
+
+
+_SOURCES = {key: _sources(*key) for key in _POSITIONS}
+
+
 def record_bytes(bits: int, sub: int, has_min: bool) -> int:
     return GROUP * BLOCK * bits // 8 + 4 * GROUP * sub + (4 * GROUP if has_min else 0)
 
@@ -84,13 +100,13 @@ def pack(blocks: Blocks, mode: str) -> np.ndarray:
     if n % GROUP or k % BLOCK:
         raise ValueError(f"a ({n}, {k}) weight is not whole groups of {GROUP} x {BLOCK}")
     groups, nblocks, bits, sub = n // GROUP, k // BLOCK, blocks.bits, blocks.sub
-    qbytes = GROUP * BLOCK * bits // 8
-    byte, shift = _POSITIONS[(mode, bits)]
-    # (groups, blocks, 8 columns, 32 inputs) of the stored bits
-    q = blocks.q.view(np.uint8).reshape(groups, GROUP, nblocks, BLOCK).transpose(0, 2, 1, 3)
-    out = np.zeros((groups, nblocks, qbytes), dtype=np.uint16)
-    np.add.at(out, (slice(None), slice(None), byte), q.astype(np.uint16) << shift)  # type: ignore[arg-type]
-    qs = out.astype(np.uint8)
+    # (groups, blocks, 8 columns x 32 inputs) of the stored bits, gathered byte by byte
+    columns = blocks.q.view(np.uint8).reshape(groups, GROUP, nblocks, BLOCK)
+    q = columns.transpose(0, 2, 1, 3).reshape(groups, nblocks, GROUP * BLOCK)
+    low, high = _SOURCES[(mode, bits)]
+    qs = np.take(q, low, axis=2)
+    if high is not None:
+        qs = (qs & np.uint8(0x0F)) | (np.take(q, high, axis=2) << np.uint8(4))
     scales = blocks.scales.reshape(groups, GROUP, nblocks, sub).transpose(0, 2, 3, 1)
     parts = [qs, np.ascontiguousarray(scales, dtype=np.float32).view(np.uint8).reshape(
         groups, nblocks, -1)]  # fmt: skip
