@@ -93,10 +93,11 @@ def random_tensor(rows: int, cols: int, qtype: T, rng: np.random.Generator) -> n
     return raw
 
 
-def write(path: str, shape: Shape, kind: str, seed: int = 0, tokenizer_from: str | None = None
-          ) -> str:  # fmt: skip
+def write(
+    path: str, shape: Shape, kind: str, seed: int = 0, tokenizer_from: str | None = "default"
+) -> str:
     """Write the file; returns its path. `tokenizer_from`: a GGUF whose tokenizer metadata is
-    copied (default: the default model's)."""
+    copied ("default": the default model's; None: no tokenizer, for a model loaded alone)."""
     from radixlm.model.gguf_file import rope_permute_rows
     from radixlm.model.loader import default_model_path
 
@@ -113,7 +114,9 @@ def write(path: str, shape: Shape, kind: str, seed: int = 0, tokenizer_from: str
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_vocab_size(shape.vocab)
-    _copy_tokenizer(writer, tokenizer_from or default_model_path())
+    if tokenizer_from is not None:
+        source = default_model_path() if tokenizer_from == "default" else tokenizer_from
+        _copy_tokenizer(writer, source)
     q_rows, kv_rows = shape.num_heads * head_dim, shape.num_kv_heads * head_dim
     dims = {
         "token_embd": (shape.vocab, shape.hidden), "output": (shape.vocab, shape.hidden),
