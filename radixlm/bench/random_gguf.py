@@ -1,8 +1,8 @@
 """GGUF files with random weights in a real model's shape: benchmarks and tests of bigger
 models without downloading them (a decode step's speed does not depend on the values).
 
-    python -m radixlm.bench.random_gguf llama-3.2-1b /tmp/llama1b.gguf --type Q4_1
-    python -m radixlm.bench.random_gguf llama-8b /tmp/llama8b.gguf --type Q4_K_M
+    python -m radixlm.bench.random_gguf llama-3.2-1b llama1b.gguf --type Q4_1
+    python -m radixlm.bench.random_gguf llama-8b llama8b.gguf --type Q4_K_M
 
 The tokenizer (and its chat template) is the default model's, copied from its GGUF, so
 `radixlm serve` runs the file; token ids past its vocabulary are never produced by it but are
