@@ -12,9 +12,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, run_state_machine_as_test
 
+from radixlm.cache import create_prefix_cache
 from radixlm.cache.eviction import POLICIES, GDSFPolicy, TurnCreditPolicy
 from radixlm.cache.kv_pool import SlotAllocator
-from radixlm.cache.prefix_cache import RadixCache, create_prefix_cache
+from radixlm.cache.prefix_cache import RadixCache
 from radixlm.cache.radix_tree import RadixTree, TreeNode
 from radixlm.config import CacheConfig
 

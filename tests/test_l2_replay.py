@@ -1,5 +1,5 @@
-"""`bench cache` with a simulated L2 tier and Belady: hits per tier, bytes, admission, the eval
-window, and Belady against LRU and a brute-force optimum on small traces."""
+"""`bench cache` with a simulated L2 tier and Belady: hits per tier, bytes, the write filter,
+the eval window, and Belady against LRU and a brute-force optimum on small traces."""
 
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ def test_first_turns_are_written_only_once_enough_of_them_come_back() -> None:
     s = replay(one_shot, capacity=400, l2_capacity=10_000).summary()
     assert s["l2_bytes_written"] == 0 and s["l2_rejected_tokens"] > 0  # no return: no writes
     # half of 100 conversations come back 15 conversations later, long after L1 dropped them:
-    # once 64 first turns were seen (the rate is trusted) first turns are admitted, and the
+    # once 64 first turns were seen (the rate is trusted) first turns are written, and the
     # second turns of the later conversations hit L2
     chats = []
     for c in range(100):

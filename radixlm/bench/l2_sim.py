@@ -1,15 +1,15 @@
 """The L2 (disk) tier as `bench cache` simulates it: which tokens it holds, hits, bytes moved.
 
-L1 is the replayed RadixTree. As the served tier does (cache/tiered_tree.py), a finished
-request's path is written through down to its deepest node *likely to come back*, and a node L1
-evicts is written then if it was not yet and aged from then (admission: a node that had a hit,
-a conversation's second turn or later, or a first turn when at least `admit_rate` of first
-turns have come back so far: one-shot traffic never reaches the disk, chat traffic whose first
-turns often return does). L2 is a second tree over the same tokens with its own capacity and
-leaf-first LRU eviction. A request whose L1 match stops early and whose prompt continues in L2
-reads that continuation back: those tokens are L2 hits (loaded, not recomputed). Writing a
-node writes the part of its path that L2 does not hold yet, so L2 stays prefix-closed, as the
-served tier must be to be useful.
+L1 is the replayed RadixTree. As the served tier does (cache/l2/tree.py), a finished request's
+path is written through down to its deepest node *likely to come back*, and a node L1 evicts is
+written then if it was not yet and aged from then (the write filter of cache/l2/store.py: a
+node that had a hit, a conversation's second turn or later, or a first turn when at least
+`write_rate` of first turns have come back so far: one-shot traffic never reaches the disk,
+chat traffic whose first turns often return does). L2 is a second tree over the same tokens
+with its own capacity and leaf-first LRU eviction. A request whose L1 match stops early and
+whose prompt continues in L2 reads that continuation back: those tokens are L2 hits (loaded,
+not recomputed). Writing a node writes the part of its path that L2 does not hold yet, so L2
+stays prefix-closed, as the served tier must be to be useful.
 """
 
 from __future__ import annotations
@@ -28,31 +28,31 @@ class L2Sim:
     """A simulated L2 tier of `capacity` tokens fed by an L1 tree's evictions."""
 
     def __init__(
-        self, capacity: int, turns: TurnTracker, page_size: int = 1, admit_rate: float = 0.25
+        self, capacity: int, turns: TurnTracker, page_size: int = 1, write_rate: float = 0.25
     ) -> None:
         if capacity < 1:
             raise ValueError(f"l2 capacity must be >= 1, got {capacity}")
         self.capacity = capacity
-        self.turns = turns  # the L1 tree's: its measured return rates drive admission
-        self.admit_rate = admit_rate
+        self.turns = turns  # the L1 tree's: its measured return rates drive the write filter
+        self.write_rate = write_rate
         self.tree = RadixTree(page_size=page_size, policy="lru")
         self._next_slot = 0
         self.written_tokens = 0
         self.read_tokens = 0
-        self.rejected_tokens = 0  # evicted from L1 but not admitted
+        self.rejected_tokens = 0  # evicted from L1 but not worth writing
         self.evicted_tokens = 0
 
-    def admits(self, node: TreeNode) -> bool:
+    def worth_writing(self, node: TreeNode) -> bool:
         """Worth a disk write: likely to be read back (see the module)."""
         if node.turn >= 2 or node.hits > 0:
             return True
         rate = self.turns.return_rate(node.turn)
-        return rate is not None and rate >= self.admit_rate
+        return rate is not None and rate >= self.write_rate
 
     def on_finish(self, node: TreeNode) -> None:
         """A request ending at `node` finished: write its path down to the deepest node worth
-        keeping (TieredTree.write_through)."""
-        while node.parent is not None and not self.admits(node):
+        keeping (TieredTree.write_through, cache/l2/tree.py)."""
+        while node.parent is not None and not self.worth_writing(node):
             node = node.parent
         if node.parent is not None:
             self._write(_path_tokens(node))
@@ -60,7 +60,7 @@ class L2Sim:
     def on_l1_evict(self, node: TreeNode) -> None:
         """The L1 tree's eviction listener: write what L2 lacks of `node`'s path (nothing if it
         was written through) and touch it: its L2 age starts when it leaves RAM."""
-        if not self.admits(node):
+        if not self.worth_writing(node):
             self.rejected_tokens += len(node.value)
             return
         self._write(_path_tokens(node))

@@ -8,8 +8,8 @@ pushed (an LRU touch) is pushed again when it surfaces. That is exact as long as
 priority never decreases, which every policy here guarantees.
 
 Invariant: a node is a member iff `node.evict_seq != 0`, and every member has exactly one heap
-entry carrying its `evict_seq`, whose priority is <= the node's current priority. `L2Order` is
-the same heap for the L2 tier's leaves (cache/tiered_tree.py), by last access, on `l2_seq`.
+entry carrying its `evict_seq`, whose priority is <= the node's current priority. (The disk
+tier keeps the same kind of heap for its own leaves: `L2Order`, cache/l2/node.py.)
 """
 
 from __future__ import annotations
@@ -200,41 +200,3 @@ class EvictionOrder:
         self._heap = live
         # Stale entries are dropped in bulk once they may outnumber the live ones: amortised O(1).
         self._compact_above = 2 * len(live) + 1024
-
-
-class L2Order:
-    """Nodes that L2 may evict, least recently used first (a lazy min-heap on last_access,
-    which never decreases). A node is a member iff `l2_seq != 0`."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, int, TreeNode]] = []
-        self._next_seq = 0
-        self.num_members = 0
-
-    def add(self, node: TreeNode) -> None:
-        self._next_seq += 1
-        node.l2_seq = self._next_seq
-        heapq.heappush(self._heap, (node.last_access, self._next_seq, node))
-        self.num_members += 1
-        if len(self._heap) > 2 * self.num_members + 1024:  # drop stale entries in bulk
-            live = [(n.last_access, s, n) for _, s, n in self._heap if n.l2_seq == s]
-            heapq.heapify(live)
-            self._heap = live
-
-    def discard(self, node: TreeNode) -> None:
-        node.l2_seq = 0
-        self.num_members -= 1
-
-    def pop(self) -> TreeNode:
-        while True:
-            tick, seq, node = heapq.heappop(self._heap)
-            if node.l2_seq != seq:
-                continue
-            if node.last_access != tick:
-                heapq.heappush(self._heap, (node.last_access, seq, node))
-                continue
-            self.discard(node)
-            return node
-
-    def members(self) -> list[TreeNode]:
-        return [n for _, s, n in self._heap if n.l2_seq == s]
