@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from radixlm.cache.integrity import require
-from radixlm.cache.tree_node import TOKEN_BYTES, TreeNode
+from radixlm.cache.tree_node import NO_SLOTS, TOKEN_BYTES, TreeNode
 
 if TYPE_CHECKING:
     from radixlm.cache.l2.tree import TieredTree
@@ -79,6 +79,21 @@ def wants_tail_chunk(node: TreeNode) -> bool:
 def has_tail_chunk(node: TreeNode) -> bool:
     chunks = chunks_of(node)
     return chunks is not None and len(chunks) > chunks_ending_in(node)
+
+
+def cut_edge(node: TreeNode, end: int) -> None:
+    """Shorten the edge of a node without RAM children so that it ends at `end`."""
+    node.key = node.key[: (end - node.start) * TOKEN_BYTES]
+    node.value = node.value[: end - node.start] if len(node.value) else NO_SLOTS
+    node.depth = end
+
+
+def continuation_end(reached: int, last: TreeNode | None) -> int:
+    """Where an L2 continuation that reached token `reached` ends: the end of `last` (the
+    deepest node passed whole) when it holds its tail chunk, else the last chunk boundary."""
+    if last is not None and reached == last.depth and has_tail_chunk(last):
+        return reached
+    return reached // CHUNK_TOKENS * CHUNK_TOKENS
 
 
 _NO_CHILDREN: dict[bytes, TreeNode] = {}

@@ -1,5 +1,7 @@
 """L2Store: where a tiered tree's chunks live, and which nodes are worth writing there.
 
+`ChunkStore` is what the tree (cache/l2/tree.py) asks of it; L2Store is the one on disk.
+
 The tree (cache/l2/tree.py) decides which chunks a node holds; the store decides whether a node
 is worth a write (the *write filter*: a hit, a conversation's second turn or later, or a first
 turn once enough of them measurably came back, cache/turns.py; the client's
@@ -21,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Protocol
 
 import numpy as np
 
@@ -34,6 +37,28 @@ from radixlm.cache.turns import TurnTracker
 log = logging.getLogger(__name__)
 
 WRITE_RETURN_RATE = 0.25  # a first turn is written once this share of first turns came back
+
+
+class ChunkStore(Protocol):
+    """Where a TieredTree's chunks live (cache/l2/store.py)."""
+
+    def worth_writing(self, node: TreeNode, turns: TurnTracker) -> bool:
+        """Whether `node` is worth writing to L2 (likely to be asked for again)."""
+
+    @property
+    def num_free_chunks(self) -> int: ...
+
+    def write_node(self, node: TreeNode, first: int, count: int, staged: bool) -> np.ndarray:
+        """Write chunks first .. first+count-1 of `node`'s path; the ids of the leading ones
+        written (fewer when too few are free). `staged`: the KV is copied on the I/O thread,
+        and the tree calls `settle(node)` before it frees a slot of the node."""
+
+    def settle(self, node: TreeNode) -> None:
+        """`node`, holding chunks, leaves RAM: its staged chunks' KV is copied out of its
+        slots before they are freed."""
+
+    def free_chunks(self, chunks: np.ndarray) -> None:
+        """Give chunks back once no node holds them."""
 
 
 class L2Store:

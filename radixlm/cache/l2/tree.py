@@ -27,7 +27,7 @@ Invariants: RadixTree's, and `check_l2`'s (cache/l2/node.py).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import numpy as np
 
@@ -38,11 +38,14 @@ from radixlm.cache.l2.node import (
     check_l2,
     chunks_ending_in,
     chunks_of,
+    continuation_end,
+    cut_edge,
     has_tail_chunk,
     l2_children,
     l2_of,
     wants_tail_chunk,
 )
+from radixlm.cache.l2.store import ChunkStore
 from radixlm.cache.radix_tree import RadixTree
 from radixlm.cache.tree_node import (
     NO_SLOTS,
@@ -52,31 +55,8 @@ from radixlm.cache.tree_node import (
     TokenIds,
     TreeNode,
 )
-from radixlm.cache.turns import TurnTracker
 
-__all__ = ["CHUNK_TOKENS", "ChunkStore", "TierMatch", "TieredTree"]
-
-
-class ChunkStore(Protocol):
-    """Where a TieredTree's chunks live (cache/l2/store.py)."""
-
-    def worth_writing(self, node: TreeNode, turns: TurnTracker) -> bool:
-        """Whether `node` is worth writing to L2 (likely to be asked for again)."""
-
-    @property
-    def num_free_chunks(self) -> int: ...
-
-    def write_node(self, node: TreeNode, first: int, count: int, staged: bool) -> np.ndarray:
-        """Write chunks first .. first+count-1 of `node`'s path; the ids of the leading ones
-        written (fewer when too few are free). `staged`: the KV is copied on the I/O thread,
-        and the tree calls `settle(node)` before it frees a slot of the node."""
-
-    def settle(self, node: TreeNode) -> None:
-        """`node`, holding chunks, leaves RAM: its staged chunks' KV is copied out of its
-        slots before they are freed."""
-
-    def free_chunks(self, chunks: np.ndarray) -> None:
-        """Give chunks back once no node holds them."""
+__all__ = ["CHUNK_TOKENS", "TierMatch", "TieredTree"]
 
 
 class TierMatch(NamedTuple):
@@ -130,7 +110,7 @@ class TieredTree(RadixTree):
                 break
             pos += len(child.key)
             node = child
-        end = _continuation_end(pos // TOKEN_BYTES, chain[-1] if chain else None)
+        end = continuation_end(pos // TOKEN_BYTES, chain[-1] if chain else None)
         chain = [c for c in chain if c.start < end]
         if not chain:
             return TierMatch(m, (), m.length)
@@ -149,7 +129,7 @@ class TieredTree(RadixTree):
         if node is None:
             return length
         pos, last = self._l2_walk(node, buf, length * TOKEN_BYTES)
-        return max(length, _continuation_end(pos // TOKEN_BYTES, last))
+        return max(length, continuation_end(pos // TOKEN_BYTES, last))
 
     def loads_in_way(self, tokens: TokenIds, namespace: Namespace = None) -> list[TreeNode]:
         """The pinned L2 nodes an insert of `tokens` would claim (their loads must end first)."""
@@ -241,7 +221,7 @@ class TieredTree(RadixTree):
                 self.drop_l2(child)
             if not len(chunks):
                 return
-            _cut(node, (first + len(chunks)) * CHUNK_TOKENS)
+            cut_edge(node, (first + len(chunks)) * CHUNK_TOKENS)
         self._set_chunks(node, chunks)
 
     # -- RadixTree's hooks: leaving and entering RAM, splits ----------------------------------
@@ -359,7 +339,7 @@ class TieredTree(RadixTree):
                 self.store.free_chunks(chunks[keep:])
                 self.num_l2_chunks -= len(chunks) - keep
                 l2_of(node).chunks = chunks[:keep]
-                _cut(node, (node.start // CHUNK_TOKENS + keep) * CHUNK_TOKENS)
+                cut_edge(node, (node.start // CHUNK_TOKENS + keep) * CHUNK_TOKENS)
                 self.l2_order.add(node)
             else:
                 freed += len(chunks)
@@ -458,7 +438,7 @@ class TieredTree(RadixTree):
         if cut <= node.start:
             self.drop_l2(node)  # holds no chunk of its own: its tokens were in a child's
         else:
-            _cut(node, cut)
+            cut_edge(node, cut)
             self._maybe_l2_leaf(node)
 
     def _l2_child_gone(self, parent: TreeNode) -> None:
@@ -493,18 +473,3 @@ class TieredTree(RadixTree):
             return
         if not record.seq:
             self.l2_order.add(node)
-
-
-def _cut(node: TreeNode, end: int) -> None:
-    """Shorten the edge of a node without RAM children so that it ends at `end`."""
-    node.key = node.key[: (end - node.start) * TOKEN_BYTES]
-    node.value = node.value[: end - node.start] if len(node.value) else NO_SLOTS
-    node.depth = end
-
-
-def _continuation_end(reached: int, last: TreeNode | None) -> int:
-    """Where an L2 continuation that reached token `reached` ends: the end of `last` (the
-    deepest node passed whole) when it holds its tail chunk, else the last chunk boundary."""
-    if last is not None and reached == last.depth and has_tail_chunk(last):
-        return reached
-    return reached // CHUNK_TOKENS * CHUNK_TOKENS
