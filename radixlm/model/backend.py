@@ -87,7 +87,9 @@ class FusedDecode:
         q = linear.quant
         fields = [int(q.mode == "fast"), len(q.parts)]
         for p in q.parts:
-            fields += [p.records.data_ptr(), p.out_features, p.start, p.bits, p.sub, p.has_min]
+            fields += [
+                p.records.data_ptr(), p.out_features, p.start, p.bits, p.sub, p.has_min, p.kscale
+            ]  # fmt: skip
         descriptor = torch.tensor(fields, dtype=torch.int64)
         self.descriptors.append(descriptor)
         return descriptor.data_ptr()
