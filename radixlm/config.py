@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 CacheKind = Literal["radix", "none"]
-Eviction = Literal["lru", "turn-credit", "gdsf"]
+Eviction = Literal["lru", "turn-credit", "gdsf", "adaptive"]
 Policy = Literal["lpm", "fcfs"]
 DType = Literal["float32", "bfloat16", "float16"]
 # "auto": the dtype this machine runs fastest, chosen when the model loads (ModelRunner):
@@ -71,9 +71,10 @@ class CacheConfig:
             raise ValueError(f"cache must be 'radix' or 'none', got {self.cache!r}")
         if self.l2_capacity < 64:
             raise ValueError(f"l2_capacity must be >= 64 tokens, got {self.l2_capacity}")
-        if self.eviction not in ("lru", "turn-credit", "gdsf"):
+        if self.eviction not in ("lru", "turn-credit", "gdsf", "adaptive"):
             raise ValueError(
-                f"eviction must be 'lru', 'turn-credit' or 'gdsf', got {self.eviction!r}"
+                "eviction must be 'lru', 'turn-credit', 'gdsf' or 'adaptive', "
+                f"got {self.eviction!r}"
             )
 
 

@@ -10,6 +10,11 @@ with its own capacity and leaf-first LRU eviction. A request whose L1 match stop
 whose prompt continues in L2 reads that continuation back: those tokens are L2 hits (loaded,
 not recomputed). Writing a node writes the part of its path that L2 does not hold yet, so L2
 stays prefix-closed, as the served tier must be to be useful.
+
+What RAM evicts is written by `write_rule`: `filter` asks the write filter always (the served
+tier's rule); `pressure` writes everything while the tier has room for it and asks the filter
+only once it is full (a filter that refuses writes to a tier with free space loses hits for
+nothing); `all` writes everything, evicting L2's least recently used leaves when full.
 """
 
 from __future__ import annotations
@@ -22,17 +27,26 @@ from radixlm.cache.turns import TurnTracker
 # bf16 KV bytes per token of the default model (SmolLM2-135M): 30 layers x (K, V) x 3 KV heads
 # x head_dim 64 x 2 bytes.
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2
+WRITE_RULES = ("filter", "pressure", "all")
 
 
 class L2Sim:
     """A simulated L2 tier of `capacity` tokens fed by an L1 tree's evictions."""
 
     def __init__(
-        self, capacity: int, turns: TurnTracker, page_size: int = 1, write_rate: float = 0.25
+        self,
+        capacity: int,
+        turns: TurnTracker,
+        page_size: int = 1,
+        write_rate: float = 0.25,
+        write_rule: str = "pressure",
     ) -> None:
         if capacity < 1:
             raise ValueError(f"l2 capacity must be >= 1, got {capacity}")
+        if write_rule not in WRITE_RULES:
+            raise ValueError(f"write_rule must be one of {WRITE_RULES}, got {write_rule!r}")
         self.capacity = capacity
+        self.write_rule = write_rule
         self.turns = turns  # the L1 tree's: its measured return rates drive the write filter
         self.write_rate = write_rate
         self.tree = RadixTree(page_size=page_size, policy="lru")
@@ -60,7 +74,13 @@ class L2Sim:
     def on_l1_evict(self, node: TreeNode) -> None:
         """The L1 tree's eviction listener: write what L2 lacks of `node`'s path (nothing if it
         was written through) and touch it: its L2 age starts when it leaves RAM."""
-        if not self.worth_writing(node):
+        rule = self.write_rule
+        room = self.tree.num_tokens + len(node.value) <= self.capacity
+        if rule == "filter" or (rule == "pressure" and not room):
+            wanted = self.worth_writing(node)
+        else:
+            wanted = True
+        if not wanted:
             self.rejected_tokens += len(node.value)
             return
         self._write(_path_tokens(node))

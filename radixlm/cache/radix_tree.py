@@ -30,8 +30,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from radixlm.cache.eviction import EvictionOrder, EvictionPolicy, make_policy
+from radixlm.cache.eviction import EvictionOrder, EvictionPolicy
 from radixlm.cache.integrity import check_tree
+from radixlm.cache.policies import make_policy
 from radixlm.cache.tree_node import (
     DEFAULT_RETENTION,
     I64,
