@@ -59,8 +59,8 @@ class CacheConfig:
     cache: CacheKind = "radix"  # "none" never reuses KV (the ablation)
     kv_dtype: DType | None = None  # None = the model's dtype
     eviction: Eviction = "lru"  # which unlocked leaf goes first (radixlm/cache/eviction.py)
-    l2_dir: str | None = None  # a directory for the L2 chunk file; None = no L2 tier
-    l2_capacity: int = 1 << 20  # tokens of KV the L2 chunk file holds (64-token chunks)
+    l2_dir: str | None = None  # a directory for the L2 extent file; None = no L2 tier
+    l2_capacity: int = 1 << 20  # tokens of KV the L2 extent file holds (64-token extents)
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:

@@ -1,25 +1,25 @@
 """TieredRadixCache: RadixCache over a tree with a disk tier, and the loads that fill RAM from it.
 
-Calls run one way: this cache drives its tree (cache/l2/tree.py), which writes chunks through
+Calls run one way: this cache drives its tree (cache/l2/tree.py), which writes extents through
 its store (cache/l2/store.py), and its load registry (cache/l2/loads.py), which reads them
 through the same store. A finished request's path is written through at once (`release`).
-Chunks are read back when a match continues into L2:
+Extents are read back when a match continues into L2:
 
     tokens   |0 ........ 64 ........ 128 ........ 192 ...|
-    chunks   [ chunk 0  ][ chunk 1  ][ chunk 2   ]          key_i = H(key_{i-1}, chunk i tokens)
-    L1 match |=========== 100 ====|                          L2 continuation: chunks 1, 2
+    extents  [ extent 0 ][ extent 1 ][ extent 2  ]          key_i = H(key_{i-1}, extent i)
+    L1 match |=========== 100 ====|                          L2 continuation: extents 1, 2
     loaded                        |==== 100..192 ====|       -> new slots, then tree-owned
 
 A match walks the tree once (`match_tiers`), allocates slots for the continuation, reads its
-chunks in parallel and copies their KV into the slots as each is verified; the loaded nodes join
+extents in parallel and copies their KV into the slots as each is verified; the loaded nodes join
 L1. `match` waits for the reads; `match_or_load` leaves them running and the scheduler admits
-the request when they are done. A chunk that fails its key or checksum ends the load there and
+the request when they are done. An extent that fails its key or checksum ends the load there and
 is forgotten with everything below it; a read slower than `read_timeout_s` ends it too (the
-chunk stays): the rest is recomputed, never loaded wrong. A commit that would insert into a
+extent stays): the rest is recomputed, never loaded wrong. A commit that would insert into a
 chain being loaded ends that load first (those tokens were computed: nothing is loaded).
 
-Accounting: slots as RadixCache (free + tree + in flight == capacity); chunks: free chunks +
-chunks held by nodes == num_chunks (check_integrity checks both).
+Accounting: slots as RadixCache (free + tree + in flight == capacity); extents: free extents +
+extents held by nodes == num_extents (check_integrity checks both).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import numpy as np
 
 from radixlm.cache.integrity import IntegrityError
 from radixlm.cache.kv_pool import KVPool, OutOfSlotsError
-from radixlm.cache.l2.chunk_file import ChunkFile, L2Error
+from radixlm.cache.l2.extent_file import ExtentFile, L2Error
 from radixlm.cache.l2.loads import LOAD_BUCKETS, L2Load, LoadRegistry, LoadTicket, wait_any
-from radixlm.cache.l2.node import CHUNK_TOKENS, l2_children
+from radixlm.cache.l2.node import EXTENT_TOKENS, l2_children
 from radixlm.cache.l2.store import L2Store, fingerprint
 from radixlm.cache.l2.tree import TieredTree, TierMatch
 from radixlm.cache.prefix_cache import CommitResult, PendingMatch, RadixCache
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 
 class TieredRadixCache(RadixCache):
-    """A RadixCache whose tree keeps evicted nodes on, and loads them back from, L2 chunks."""
+    """A RadixCache whose tree keeps evicted nodes on, and loads them back from, L2 extents."""
 
     def __init__(self, pool: KVPool, tree: TieredTree, store: L2Store, loads: LoadRegistry) -> None:
         if tree.store is not store or loads.store is not store:
@@ -137,12 +137,12 @@ class TieredRadixCache(RadixCache):
         return self.loads.start(ids, namespace, tm, slots)
 
     def _finish(self, load: L2Load) -> MatchResult:
-        """Wait for the load's reads (until its deadline), then promote the chunks that arrived
-        in order; the first doubtful chunk and everything below it are forgotten."""
-        num_chunks, bad = self.loads.collect(load)
+        """Wait for the load's reads (until its deadline), then promote the extents that arrived
+        in order; the first doubtful extent and everything below it are forgotten."""
+        num_extents, bad = self.loads.collect(load)
         self._end(load)
         m = load.tm.l1
-        arrived = (m.length // CHUNK_TOKENS + num_chunks) * CHUNK_TOKENS
+        arrived = (m.length // EXTENT_TOKENS + num_extents) * EXTENT_TOKENS
         end = max(m.length, min(load.tm.end, arrived))
         used = end - m.length
         self._free_in_flight(load.slots[used:])
@@ -152,7 +152,7 @@ class TieredRadixCache(RadixCache):
             self.num_in_flight -= used  # tree-owned now
         if bad:
             self._forget_after(result.node, load.ids, end)
-        self.loads.observe(load, num_chunks, used)
+        self.loads.observe(load, num_extents, used)
         return result
 
     def _abort(self, load: L2Load) -> None:
@@ -174,7 +174,7 @@ class TieredRadixCache(RadixCache):
         return load
 
     def _forget_after(self, node: TreeNode, ids: np.ndarray, end: int) -> None:
-        """Forget the L2 node below `node` at `end` and everything under it: it holds a chunk
+        """Forget the L2 node below `node` at `end` and everything under it: it holds an extent
         that failed its check, so nothing below it can be trusted or reached."""
         child = l2_children(node).get(ids[end : end + self.tree.page_size].tobytes())
         if child is not None:
@@ -186,20 +186,20 @@ class TieredRadixCache(RadixCache):
         """The L2 tier's counters (read in the engine thread; /v1/cache and /metrics)."""
         file, store, loads, tree = self.store.file, self.store, self.loads, self.tree
         return {
-            "capacity_tokens": file.num_chunks * CHUNK_TOKENS,
-            "num_chunks": file.num_chunks,
-            "num_free_chunks": file.num_free,
-            "num_tree_chunks": tree.num_l2_chunks,
+            "capacity_tokens": file.num_extents * EXTENT_TOKENS,
+            "num_extents": file.num_extents,
+            "num_free_extents": file.num_free,
+            "num_tree_extents": tree.num_l2_extents,
             "num_l2_nodes": tree.num_l2_nodes,
             "hit_tokens": loads.hit_tokens,
             "written_bytes": file.written_bytes,
             "read_bytes": file.read_bytes,
-            "written_chunks": store.written_chunks,
-            "read_chunks": loads.read_chunks,
-            "evicted_chunks": tree.l2_evicted_chunks,
-            "through_chunks": store.through_chunks,
+            "written_extents": store.written_extents,
+            "read_extents": loads.read_extents,
+            "evicted_extents": tree.l2_evicted_extents,
+            "through_extents": store.through_extents,
             "rejected_tokens": tree.l2_rejected_tokens,
-            "bad_chunks": loads.bad_chunks,
+            "bad_extents": loads.bad_extents,
             "read_timeouts": loads.read_timeouts,
             "loads": loads.num_loads,
             "load_seconds_sum": loads.seconds,
@@ -208,15 +208,17 @@ class TieredRadixCache(RadixCache):
         }  # fmt: skip
 
     def check_integrity(self) -> None:
-        """Both tiers' tree invariants, the slot account and the chunk account."""
+        """Both tiers' tree invariants, the slot account and the extent account."""
         super().check_integrity()
         held, free, total = (
-            self.tree.num_l2_chunks,
+            self.tree.num_l2_extents,
             self.store.file.num_free,
-            self.store.file.num_chunks,
+            self.store.file.num_extents,
         )
         if held + free != total:
-            raise IntegrityError(f"L2 chunk account: {free} free + {held} held by nodes != {total}")
+            raise IntegrityError(
+                f"L2 extent account: {free} free + {held} held by nodes != {total}"
+            )
 
     def close(self) -> None:
         self.store.close()
@@ -224,25 +226,25 @@ class TieredRadixCache(RadixCache):
 
 def make_tiered_cache(
     pool: KVPool,
-    file: ChunkFile,
+    file: ExtentFile,
     page_size: int = 1,
     policy: str = "lru",
     read_timeout_s: float = 1.0,
 ) -> TieredRadixCache:
-    """A TieredRadixCache over `pool` whose chunks live in `file`."""
+    """A TieredRadixCache over `pool` whose extents live in `file`."""
     store = L2Store(file, pool)
     tree = TieredTree(store, page_size=page_size, policy=policy)
     return TieredRadixCache(pool, tree, store, LoadRegistry(store, read_timeout_s))
 
 
 def open_tiered_cache(config: CacheConfig, pool: KVPool) -> TieredRadixCache | None:
-    """A TieredRadixCache per `config` (l2_dir set), or None, logged, when the chunk file
+    """A TieredRadixCache per `config` (l2_dir set), or None, logged, when the extent file
     cannot be created (the engine then runs without L2)."""
     assert config.l2_dir is not None
-    path = os.path.join(config.l2_dir, "l2.chunks")
-    payload = CHUNK_TOKENS * pool.bytes_per_slot
+    path = os.path.join(config.l2_dir, "l2.extents")
+    payload = EXTENT_TOKENS * pool.bytes_per_slot
     try:
-        file = ChunkFile(path, config.l2_capacity // CHUNK_TOKENS, payload, fingerprint(pool))
+        file = ExtentFile(path, config.l2_capacity // EXTENT_TOKENS, payload, fingerprint(pool))
     except L2Error as e:
         log.warning("running without L2: %s", e)
         return None

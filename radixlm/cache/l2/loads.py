@@ -3,9 +3,9 @@
 A request whose match continues into L2 does not wait for the disk on the engine thread:
 
     start   the cache locks the RAM prefix, pins the chain and allocates its slots (in
-            flight); the registry submits the reads, each verified chunk copied into its slots
-    ready   every read finished, or the deadline passed (`read_timeout_s` a chunk)
-    finish  the registry counts the chunks that arrived in order up to the first missing or
+            flight); the registry submits the reads, each verified extent copied into its slots
+    ready   every read finished, or the deadline passed (`read_timeout_s` an extent)
+    finish  the registry counts the extents that arrived in order up to the first missing or
             late one and ends the load; the cache unpins, unlocks, promotes what arrived
             (tree-owned), frees the other slots and forgets a doubtful subtree
     abort   an insert is about to reach the chain (another request computed those tokens):
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from radixlm.cache.l2.chunk_copy import LoadSink
-from radixlm.cache.l2.node import CHUNK_TOKENS
+from radixlm.cache.l2.extent_copy import LoadSink
+from radixlm.cache.l2.node import EXTENT_TOKENS
 from radixlm.cache.l2.store import L2Store
 from radixlm.cache.l2.tree import TierMatch
 from radixlm.cache.prefix_cache import PendingMatch
@@ -47,7 +47,7 @@ class L2Load:
     tm: TierMatch
     ids: np.ndarray  # the query
     slots: np.ndarray  # in flight until finish promotes or frees them
-    futures: list[Future[bytearray | None] | None]  # per chunk; None: known bad before reading
+    futures: list[Future[bytearray | None] | None]  # per extent; None: known bad before reading
     sink: LoadSink
     started: float
     deadline: float
@@ -77,9 +77,9 @@ class LoadRegistry:
 
     def __init__(self, store: L2Store, read_timeout_s: float = 1.0) -> None:
         self.store = store
-        self.read_timeout_s = read_timeout_s  # per chunk read; a slower one ends the load
+        self.read_timeout_s = read_timeout_s  # per extent read; a slower one ends the load
         self._reading: dict[int, L2Load] = {}  # id(chain node) -> the load reading it
-        self.hit_tokens = self.read_chunks = self.bad_chunks = self.read_timeouts = 0
+        self.hit_tokens = self.read_extents = self.bad_extents = self.read_timeouts = 0
         self.num_loads = self.aborted = 0
         self.seconds = 0.0
         self.buckets = [0] * (len(LOAD_BUCKETS) + 1)  # the last one: above all bounds
@@ -97,26 +97,26 @@ class LoadRegistry:
     ) -> L2Load:
         """Submit the reads of `tm.chain` into `slots` (the caller pinned the chain, locked
         the prefix and allocated the slots)."""
-        chunks = [c for n in tm.chain if n.l2 is not None and n.l2.chunks is not None
-                  for c in n.l2.chunks.tolist()]  # fmt: skip
-        start, first = tm.l1.length, tm.l1.length // CHUNK_TOKENS
-        keys = self.store.keys(namespace, ids[: tm.end], first + len(chunks))
+        extents = [c for n in tm.chain if n.l2 is not None and n.l2.extents is not None
+                  for c in n.l2.extents.tolist()]  # fmt: skip
+        start, first = tm.l1.length, tm.l1.length // EXTENT_TOKENS
+        keys = self.store.keys(namespace, ids[: tm.end], first + len(extents))
         sink = LoadSink(self.store.kv)
         futures: list[Future[bytearray | None] | None] = []
-        for i, chunk in enumerate(chunks):
-            t0 = (first + i) * CHUNK_TOKENS  # the chunk's first token; the slots start at `start`
-            copy = sink.chunk(slots[max(t0, start) - start : t0 + CHUNK_TOKENS - start],
+        for i, extent in enumerate(extents):
+            t0 = (first + i) * EXTENT_TOKENS  # the extent's first token; the slots start at `start`
+            copy = sink.extent(slots[max(t0, start) - start : t0 + EXTENT_TOKENS - start],
                               max(0, start - t0))  # fmt: skip
-            ok = self.store.written(chunk)
-            futures.append(self.store.file.read(chunk, keys[first + i], copy) if ok else None)
+            ok = self.store.written(extent)
+            futures.append(self.store.file.read(extent, keys[first + i], copy) if ok else None)
         now = time.perf_counter()
-        load = L2Load(tm, ids, slots, futures, sink, now, now + self.read_timeout_s * len(chunks))
+        load = L2Load(tm, ids, slots, futures, sink, now, now + self.read_timeout_s * len(extents))
         for node in tm.chain:
             self._reading[id(node)] = load
         return load
 
     def collect(self, load: L2Load) -> tuple[int, bool]:
-        """Wait for the load's reads (until its deadline): how many leading chunks arrived,
+        """Wait for the load's reads (until its deadline): how many leading extents arrived,
         and whether the next one was doubtful (a miss) rather than late (it stays on L2)."""
         done, bad = 0, False
         for future in load.futures:
@@ -125,10 +125,12 @@ class LoadRegistry:
                 data = None if future is None else future.result(wait_s)
             except FutureTimeout:
                 self.read_timeouts += 1
-                log.warning("L2 read slower than %.3f s a chunk: recomputing", self.read_timeout_s)
+                log.warning(
+                    "L2 read slower than %.3f s an extent: recomputing", self.read_timeout_s
+                )
                 break
             if data is None:
-                self.bad_chunks += 1
+                self.bad_extents += 1
                 bad = True
                 break
             done += 1
@@ -140,19 +142,19 @@ class LoadRegistry:
         load.sink.cancel()
         for future in load.futures:
             if future is not None:
-                future.cancel()  # not started: no I/O for chunks nobody will use
+                future.cancel()  # not started: no I/O for extents nobody will use
         for node in load.tm.chain:
             self._reading.pop(id(node), None)
         load.done = True
 
-    def observe(self, load: L2Load, num_chunks: int, hit_tokens: int) -> None:
-        """Count a finished load: its time, the chunks read and the tokens it saved."""
+    def observe(self, load: L2Load, num_extents: int, hit_tokens: int) -> None:
+        """Count a finished load: its time, the extents read and the tokens it saved."""
         seconds = time.perf_counter() - load.started
         self.num_loads += 1
         self.seconds += seconds
         bucket = next((i for i, b in enumerate(LOAD_BUCKETS) if seconds <= b), len(LOAD_BUCKETS))
         self.buckets[bucket] += 1
-        self.read_chunks += num_chunks
+        self.read_extents += num_extents
         self.hit_tokens += hit_tokens
 
 

@@ -1,16 +1,17 @@
-"""A node's disk-tier record, the chunk rules it follows, the L2 eviction order, and `check_l2`.
+"""A node's disk-tier record, the extent rules it follows, the L2 eviction order, and `check_l2`.
 
-A *chunk* is the disk tier's unit: the KV of CHUNK_TOKENS tokens at a fixed position of a
-sequence (chunk c holds tokens [64c, 64c + 64)). (A *page* is the tree's match grain,
-`page_size` tokens; the two never mix.) A node holds either no chunks or every chunk that ends
-inside its edge. A leaf (no child on either tier) whose end is not on a chunk boundary may also
-hold a *tail chunk*: the partial chunk from its last boundary to its end, so that a
-conversation's next turn loads everything its last turn computed:
+An *extent* is the disk tier's unit: the KV of EXTENT_TOKENS tokens at a fixed position of a
+sequence (extent c holds tokens [64c, 64c + 64)). (A *page* is the tree's match grain,
+`page_size` tokens, and a *chunk* is a piece of a prefill; the words never mix.) A node holds
+either no extents or every extent that ends inside its edge. A leaf (no child on either tier)
+whose end is not on an extent boundary may also hold a *tail extent*: the partial extent from
+its last boundary to its end, so that a conversation's next turn loads everything its last turn
+computed:
 
-    tokens  0 .......... 64 .......... 128 .......... 192 .......... 256
-    nodes   [ sys 0..100: L1 ][ turn 1 100..192: L1 + L2 ][ turn 2 192..256: L2 only ]
-    chunks    none (no copy)    chunks 1, 2 (chunk 1 holds      chunk 3
-                                sys's tokens 64..100 too)
+    tokens   0 .......... 64 .......... 128 .......... 192 .......... 256
+    nodes    [ sys 0..100: L1 ][ turn 1 100..192: L1 + L2 ][ turn 2 192..256: L2 only ]
+    extents    none (no copy)    extents 1, 2 (extent 1        extent 3
+                                 holds sys's tokens 64..100)
 
 Everything the disk tier keeps on a node is one optional `L2Node` record (`TreeNode.l2`, None
 for a node the tier never touched). A node whose RAM slots were dropped hangs in its parent's
@@ -34,17 +35,17 @@ from radixlm.cache.tree_node import NO_SLOTS, TOKEN_BYTES, TreeNode
 if TYPE_CHECKING:
     from radixlm.cache.l2.tree import TieredTree
 
-CHUNK_TOKENS = 64
+EXTENT_TOKENS = 64
 
 
 @dataclass(slots=True, eq=False)
 class L2Node:
     """The disk tier's state of one node."""
 
-    chunks: np.ndarray | None = None  # ids of the chunks ending in the edge (+ a tail chunk);
-    # None: not on L2. An empty array: written, but no chunk ends inside the edge
+    extents: np.ndarray | None = None  # ids of the extents ending in the edge (+ a tail extent);
+    # None: not on L2. An empty array: written, but no extent ends inside the edge
     children: dict[bytes, TreeNode] = field(default_factory=dict)  # children on L2 only
-    kids: int = 0  # children (on either tier) that hold chunks
+    kids: int = 0  # children (on either tier) that hold extents
     seq: int = 0  # != 0 while the node is in the L2 eviction order
     pinned: bool = False  # a load is reading this node's chain: not evictable from L2
 
@@ -56,9 +57,9 @@ def l2_of(node: TreeNode) -> L2Node:
     return node.l2
 
 
-def chunks_of(node: TreeNode) -> np.ndarray | None:
-    """The chunks `node` holds (None: it is not on L2)."""
-    return None if node.l2 is None else node.l2.chunks
+def extents_of(node: TreeNode) -> np.ndarray | None:
+    """The extents `node` holds (None: it is not on L2)."""
+    return None if node.l2 is None else node.l2.extents
 
 
 def l2_children(node: TreeNode) -> dict[bytes, TreeNode]:
@@ -66,19 +67,19 @@ def l2_children(node: TreeNode) -> dict[bytes, TreeNode]:
     return _NO_CHILDREN if node.l2 is None else node.l2.children
 
 
-def chunks_ending_in(node: TreeNode) -> int:
-    """The chunks that end inside `node`'s edge."""
-    return node.depth // CHUNK_TOKENS - node.start // CHUNK_TOKENS
+def extents_ending_in(node: TreeNode) -> int:
+    """The extents that end inside `node`'s edge."""
+    return node.depth // EXTENT_TOKENS - node.start // EXTENT_TOKENS
 
 
-def wants_tail_chunk(node: TreeNode) -> bool:
-    """Whether a write of `node` includes its tail chunk: a leaf ending inside a chunk."""
-    return bool(node.depth % CHUNK_TOKENS) and not node.children and not l2_children(node)
+def wants_tail_extent(node: TreeNode) -> bool:
+    """Whether a write of `node` includes its tail extent: a leaf ending inside an extent."""
+    return bool(node.depth % EXTENT_TOKENS) and not node.children and not l2_children(node)
 
 
-def has_tail_chunk(node: TreeNode) -> bool:
-    chunks = chunks_of(node)
-    return chunks is not None and len(chunks) > chunks_ending_in(node)
+def has_tail_extent(node: TreeNode) -> bool:
+    extents = extents_of(node)
+    return extents is not None and len(extents) > extents_ending_in(node)
 
 
 def cut_edge(node: TreeNode, end: int) -> None:
@@ -90,10 +91,10 @@ def cut_edge(node: TreeNode, end: int) -> None:
 
 def continuation_end(reached: int, last: TreeNode | None) -> int:
     """Where an L2 continuation that reached token `reached` ends: the end of `last` (the
-    deepest node passed whole) when it holds its tail chunk, else the last chunk boundary."""
-    if last is not None and reached == last.depth and has_tail_chunk(last):
+    deepest node passed whole) when it holds its tail extent, else the last extent boundary."""
+    if last is not None and reached == last.depth and has_tail_extent(last):
         return reached
-    return reached // CHUNK_TOKENS * CHUNK_TOKENS
+    return reached // EXTENT_TOKENS * EXTENT_TOKENS
 
 
 _NO_CHILDREN: dict[bytes, TreeNode] = {}
@@ -143,11 +144,11 @@ def _seq(node: TreeNode) -> int:
 
 def check_l2(tree: TieredTree) -> None:
     """The rules above, and the tree's L2 counters, by a full walk over both tiers: a node
-    without slots holds chunks, no lock and only L2 children, and ends on a chunk boundary,
-    holds its tail chunk, or has a child (whose first chunk holds its tail); only a node
-    without children holds a tail chunk; RAM nodes form a subtree at each root; the L2 order
-    holds exactly the unpinned nodes with chunks and no child with chunks; the chunk counter
-    is the chunks held."""
+    without slots holds extents, no lock and only L2 children, and ends on an extent boundary,
+    holds its tail extent, or has a child (whose first extent holds its tail); only a node
+    without children holds a tail extent; RAM nodes form a subtree at each root; the L2 order
+    holds exactly the unpinned nodes with extents and no child with extents; the extent counter
+    is the extents held."""
     page_b = tree.page_size * TOKEN_BYTES
     num_l2_nodes = 0
     members: set[int] = set()
@@ -163,7 +164,7 @@ def check_l2(tree: TieredTree) -> None:
         for first, child in below.items():
             num_l2_nodes += 1
             _check_l2_only(node, first, child, tree.page_size, page_b)
-        kids = sum(chunks_of(c) is not None for c in [*node.children.values(), *below.values()])
+        kids = sum(extents_of(c) is not None for c in [*node.children.values(), *below.values()])
         if node.parent is None:
             continue
         record = node.l2
@@ -171,22 +172,22 @@ def check_l2(tree: TieredTree) -> None:
         if record is None:
             continue
         require(record.kids == kids, "L2 children", f"{node!r}: kids {record.kids} != {kids}")
-        if record.chunks is not None:
-            expected = chunks_ending_in(node)
-            count = len(record.chunks)
-            require(expected <= count <= expected + wants_tail_chunk(node), "L2 chunks",
-                    f"{node!r} holds {count} chunks, {expected} end in it")  # fmt: skip
-            held.append(record.chunks)
-        leaf = record.chunks is not None and not kids and not record.pinned
+        if record.extents is not None:
+            expected = extents_ending_in(node)
+            count = len(record.extents)
+            require(expected <= count <= expected + wants_tail_extent(node), "L2 extents",
+                    f"{node!r} holds {count} extents, {expected} end in it")  # fmt: skip
+            held.append(record.extents)
+        leaf = record.extents is not None and not kids and not record.pinned
         require(leaf == (record.seq != 0), "L2 order", f"{node!r} membership is wrong")
         if leaf:
             members.add(id(node))
     require(num_l2_nodes == tree.num_l2_nodes, "node count",
             f"{tree.num_l2_nodes} L2 nodes counted, {num_l2_nodes} found")  # fmt: skip
     ids = np.concatenate(held) if held else np.empty(0, dtype=np.int64)
-    require(np.unique(ids).size == ids.size, "chunk ownership", "a chunk is in two nodes")
-    require(ids.size == tree.num_l2_chunks, "chunk count",
-            f"{tree.num_l2_chunks} chunks counted, {ids.size} held")  # fmt: skip
+    require(np.unique(ids).size == ids.size, "extent ownership", "an extent is in two nodes")
+    require(ids.size == tree.num_l2_extents, "extent count",
+            f"{tree.num_l2_extents} extents counted, {ids.size} held")  # fmt: skip
     order = {id(n) for n in tree.l2_order.members()}
     require(order == members and tree.l2_order.num_members == len(members), "L2 order",
             "the heap's members are not the L2 leaves")  # fmt: skip
@@ -197,12 +198,12 @@ def _check_l2_only(parent: TreeNode, first: bytes, child: TreeNode, page: int, p
     require(first == child.key[:page_b], "child keys", f"{child!r} is filed under another key")
     require(len(child.value) == 0 and not child.children, "tiers",
             f"{child!r} is on L2 only but holds slots or RAM children")  # fmt: skip
-    require(chunks_of(child) is not None, "tiers", f"{child!r} is on no tier")
+    require(extents_of(child) is not None, "tiers", f"{child!r} is on no tier")
     require(child.lock_ref == 0 and child.own_locks == 0 and child.evict_seq == 0, "tiers",
             f"{child!r} is on L2 only but locked or in the RAM eviction order")  # fmt: skip
     require(child.num_tokens > 0 and child.num_tokens % page == 0, "lengths",
             f"{child!r} is not whole pages")  # fmt: skip
     require(child.depth == parent.depth + child.num_tokens, "lengths", f"{child!r} depth")
     pinned = child.l2 is not None and child.l2.pinned
-    ends = child.depth % CHUNK_TOKENS == 0 or l2_children(child) or has_tail_chunk(child)
-    require(bool(ends) or pinned, "L2 tails", f"{child!r} keeps a tail that no chunk holds")
+    ends = child.depth % EXTENT_TOKENS == 0 or l2_children(child) or has_tail_extent(child)
+    require(bool(ends) or pinned, "L2 tails", f"{child!r} keeps a tail that no extent holds")

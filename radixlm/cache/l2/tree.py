@@ -1,25 +1,25 @@
-"""The radix tree with a disk tier: a node owns RAM slots (L1), disk chunks (L2), or both.
+"""The radix tree with a disk tier: a node owns RAM slots (L1), disk extents (L2), or both.
 
-Which chunks a node holds (every chunk ending in its edge, a leaf's tail chunk) is the rule of
-cache/l2/node.py; the chunks themselves live in a `ChunkStore` (cache/l2/store.py), the only
+Which extents a node holds (every extent ending in its edge, a leaf's tail extent) is the rule of
+cache/l2/node.py; the extents themselves live in an `ExtentStore` (cache/l2/store.py), the only
 thing this tree calls. It extends RadixTree through its hooks:
 - `_leave_ram`: L1 evicts a leaf (no child in RAM): its slots are freed and, when it is worth
   keeping (the store's write filter, or L2 children that would be unreachable without it),
-  its chunks are written first and it moves to its parent's `l2.children`. A tail no chunk
-  covers is cut off. A node written through already only settles its staged chunks.
+  its extents are written first and it moves to its parent's `l2.children`. A tail no extent
+  covers is cut off. A node written through already only settles its staged extents.
 - `_below_ram`: an insert that runs into L2 nodes claims them with the inserted slots (their
-  chunks stay); a node about to gain a child gives up its tail chunk (the child's first chunk
+  extents stay); a node about to gain a child gives up its tail extent (the child's first extent
   holds those tokens, whole). The caller ends any load reading those nodes first
   (`loads_in_way`).
-- `_split`: each part keeps the chunks ending in it; an L2-only node's parts stay on L2.
+- `_split`: each part keeps the extents ending in it; an L2-only node's parts stay on L2.
 And on its own:
-- `write_through`: a finished request's path gets its chunks at once, so that RAM evicting it
+- `write_through`: a finished request's path gets its extents at once, so that RAM evicting it
   later only drops its slots.
 - `match_tiers` walks L1 as `match` does, then continues through `l2.children` and ends the
-  continuation on a chunk boundary, or at the end of a leaf that holds its tail chunk;
+  continuation on an extent boundary, or at the end of a leaf that holds its tail extent;
   `promote` gives the loaded nodes their new slots.
-- L2 evicts leaf-first (no child with chunks) in LRU order, an L2-only node aged from when it
-  left RAM: an L1+L2 node drops its copy; an L2-only leaf gives up its last chunks (chains
+- L2 evicts leaf-first (no child with extents) in LRU order, an L2-only node aged from when it
+  left RAM: an L1+L2 node drops its copy; an L2-only leaf gives up its last extents (chains
   shrink from their ends). A pinned node (a load reads it) stays.
 
 Invariants: RadixTree's, and `check_l2`'s (cache/l2/node.py).
@@ -33,19 +33,19 @@ import numpy as np
 
 from radixlm.cache.eviction import EvictionPolicy
 from radixlm.cache.l2.node import (
-    CHUNK_TOKENS,
+    EXTENT_TOKENS,
     L2Order,
     check_l2,
-    chunks_ending_in,
-    chunks_of,
     continuation_end,
     cut_edge,
-    has_tail_chunk,
+    extents_ending_in,
+    extents_of,
+    has_tail_extent,
     l2_children,
     l2_of,
-    wants_tail_chunk,
+    wants_tail_extent,
 )
-from radixlm.cache.l2.store import ChunkStore
+from radixlm.cache.l2.store import ExtentStore
 from radixlm.cache.radix_tree import RadixTree
 from radixlm.cache.tree_node import (
     NO_SLOTS,
@@ -56,38 +56,38 @@ from radixlm.cache.tree_node import (
     TreeNode,
 )
 
-__all__ = ["CHUNK_TOKENS", "TierMatch", "TieredTree"]
+__all__ = ["EXTENT_TOKENS", "TierMatch", "TieredTree"]
 
 
 class TierMatch(NamedTuple):
     l1: MatchResult  # the prefix in RAM, as RadixTree.match returns it
     chain: tuple[TreeNode, ...]  # the L2-only nodes that continue it, down to `end`
-    end: int  # where the continuation ends (a chunk boundary or a tail chunk's end); l1.length
+    end: int  # where the continuation ends (an extent boundary or a tail extent's end); l1.length
     # when there is none
     busy: TreeNode | None = None  # the continuation runs into a node a load is reading
 
 
 class TieredTree(RadixTree):
-    """A RadixTree whose evicted nodes stay on L2 chunks and come back from them."""
+    """A RadixTree whose evicted nodes stay on L2 extents and come back from them."""
 
     def __init__(
-        self, store: ChunkStore, page_size: int = 1, policy: str | EvictionPolicy = "lru"
+        self, store: ExtentStore, page_size: int = 1, policy: str | EvictionPolicy = "lru"
     ) -> None:
-        if CHUNK_TOKENS % page_size:
-            raise ValueError(f"page_size {page_size} does not divide the L2 chunk")
+        if EXTENT_TOKENS % page_size:
+            raise ValueError(f"page_size {page_size} does not divide the L2 extent")
         super().__init__(page_size=page_size, policy=policy)
         self.store = store
         self.l2_order = L2Order()
         self.num_l2_nodes = 0  # nodes held on L2 only
-        self.num_l2_chunks = 0  # chunks held by nodes
-        self.l2_evicted_chunks = 0
+        self.num_l2_extents = 0  # extents held by nodes
+        self.l2_evicted_extents = 0
         self.l2_rejected_tokens = 0  # left RAM without being worth a write
 
     # -- match: the RAM prefix and its L2 continuation --------------------------------------
 
     def match_tiers(self, tokens: TokenIds, namespace: Namespace = None) -> TierMatch:
-        """`match`, then the L2 nodes that continue it, ending on a chunk boundary (the last
-        one split there) or at the end of a tail chunk; it stops at a node a load is reading.
+        """`match`, then the L2 nodes that continue it, ending on an extent boundary (the last
+        one split there) or at the end of a tail extent; it stops at a node a load is reading.
         Touches them (L2 LRU). Pin the chain before anything can evict L2."""
         ids = np.asarray(tokens, dtype=np.int64)
         m = self.match(ids, namespace)
@@ -167,10 +167,10 @@ class TieredTree(RadixTree):
 
     def write_through(self, node: TreeNode) -> int:
         """A request ending at `node` finished: give the path down to its deepest node worth
-        keeping (by the store's filter, or already holding chunks) the chunks it lacks now,
+        keeping (by the store's filter, or already holding extents) the extents it lacks now,
         copied off the engine thread, so that RAM evicting them later frees their slots and
-        writes nothing. Where L2 runs out the node is split after its last written chunk (a
-        node in RAM is never cut) and the write ends. Returns the chunks written. The caller
+        writes nothing. Where L2 runs out the node is split after its last written extent (a
+        node in RAM is never cut) and the write ends. Returns the extents written. The caller
         holds a lock on `node`."""
         path: list[TreeNode] = []
         while node.parent is not None:
@@ -178,56 +178,56 @@ class TieredTree(RadixTree):
             node = node.parent
         path.reverse()
         worth = self.store.worth_writing
-        keep = [i for i, n in enumerate(path) if chunks_of(n) is not None or worth(n, self.turns)]
-        todo = [n for n in path[: keep[-1] + 1] if chunks_of(n) is None] if keep else []
+        keep = [i for i, n in enumerate(path) if extents_of(n) is not None or worth(n, self.turns)]
+        todo = [n for n in path[: keep[-1] + 1] if extents_of(n) is None] if keep else []
         if not todo:
             return 0
-        self._make_room(path[-1], sum(chunks_ending_in(n) + wants_tail_chunk(n) for n in todo))
-        written, chunkless = 0, list[TreeNode]()
+        self._make_room(path[-1], sum(extents_ending_in(n) + wants_tail_extent(n) for n in todo))
+        written, extentless = 0, list[TreeNode]()
         for n in todo:
-            full = chunks_ending_in(n)
-            count = full + wants_tail_chunk(n)
-            if count == 0:  # no chunk ends here: the first chunk written below holds its tokens
-                chunkless.append(n)
+            full = extents_ending_in(n)
+            count = full + wants_tail_extent(n)
+            if count == 0:  # no extent ends here: the first extent written below holds its tokens
+                extentless.append(n)
                 continue
-            chunks = self.store.write_node(n, n.start // CHUNK_TOKENS, count, staged=True)
-            if not len(chunks):
+            extents = self.store.write_node(n, n.start // EXTENT_TOKENS, count, staged=True)
+            if not len(extents):
                 break
-            if len(chunks) < full:  # L2 is full: the written head becomes a node of its own
-                cut = (n.start // CHUNK_TOKENS + len(chunks)) * CHUNK_TOKENS
+            if len(extents) < full:  # L2 is full: the written head becomes a node of its own
+                cut = (n.start // EXTENT_TOKENS + len(extents)) * EXTENT_TOKENS
                 n = self._split(n, cut - n.start)
-            for p in chunkless:
-                self._set_chunks(p, NO_SLOTS)
-            chunkless.clear()
-            self._set_chunks(n, chunks)
-            written += len(chunks)
-            if len(chunks) < count:
+            for p in extentless:
+                self._set_extents(p, NO_SLOTS)
+            extentless.clear()
+            self._set_extents(n, extents)
+            written += len(extents)
+            if len(extents) < count:
                 break
         return written
 
     def _write(self, node: TreeNode) -> None:
-        """Give `node` its chunks (those ending in its edge, and its tail chunk if it is a
+        """Give `node` its extents (those ending in its edge, and its tail extent if it is a
         leaf), cutting it where L2 ran out."""
-        first, last = node.start // CHUNK_TOKENS, node.depth // CHUNK_TOKENS
-        count = last - first + wants_tail_chunk(node)
+        first, last = node.start // EXTENT_TOKENS, node.depth // EXTENT_TOKENS
+        count = last - first + wants_tail_extent(node)
         if count == 0 and not l2_children(node):
-            return  # no chunk ends here and nothing below needs this node
+            return  # no extent ends here and nothing below needs this node
         self._make_room(node, count)
-        chunks = NO_SLOTS
+        extents = NO_SLOTS
         if count:
-            chunks = self.store.write_node(node, first, count, staged=False)
-        if len(chunks) < last - first:
+            extents = self.store.write_node(node, first, count, staged=False)
+        if len(extents) < last - first:
             for child in list(l2_children(node).values()):
                 self.drop_l2(child)
-            if not len(chunks):
+            if not len(extents):
                 return
-            cut_edge(node, (first + len(chunks)) * CHUNK_TOKENS)
-        self._set_chunks(node, chunks)
+            cut_edge(node, (first + len(extents)) * EXTENT_TOKENS)
+        self._set_extents(node, extents)
 
     # -- RadixTree's hooks: leaving and entering RAM, splits ----------------------------------
 
     def _leave_ram(self, node: TreeNode) -> None:
-        if chunks_of(node) is not None:
+        if extents_of(node) is not None:
             self.store.settle(node)  # written through: its slots go once their KV is copied
         elif l2_children(node) or self.store.worth_writing(node, self.turns):
             self._write(node)
@@ -235,7 +235,7 @@ class TieredTree(RadixTree):
             self.l2_rejected_tokens += node.num_tokens
         parent = node.parent
         assert parent is not None
-        if chunks_of(node) is None:
+        if extents_of(node) is None:
             for child in list(l2_children(node).values()):
                 self.drop_l2(child)  # unreachable without this node
             self._unlink(node)
@@ -251,7 +251,7 @@ class TieredTree(RadixTree):
         node.last_access = self._clock
         self.num_nodes -= 1
         self.num_l2_nodes += 1
-        self._end_on_chunk(node)
+        self._end_on_extent(node)
         self._child_left_ram(parent)
 
     def _below_ram(
@@ -271,7 +271,7 @@ class TieredTree(RadixTree):
             self._inserted_tokens += child.num_tokens
             pos += len(child.key)
             node = child
-        if pos < len(buf) and has_tail_chunk(node):  # the new leaf's first chunk holds the tail
+        if pos < len(buf) and has_tail_extent(node):  # the new leaf's first extent holds the tail
             self._drop_tail(node)
         return node, pos
 
@@ -285,16 +285,16 @@ class TieredTree(RadixTree):
             l2_of(upper).children[child.key[:page_b]] = upper.children.pop(child.key[:page_b])
             self.num_nodes -= 1
             self.num_l2_nodes += 1
-        chunks = chunks_of(child)
-        if chunks is not None:  # each part keeps the chunks ending in it (the tail: below)
-            n = (start + k) // CHUNK_TOKENS - start // CHUNK_TOKENS
+        extents = extents_of(child)
+        if extents is not None:  # each part keeps the extents ending in it (the tail: below)
+            n = (start + k) // EXTENT_TOKENS - start // EXTENT_TOKENS
             record = l2_of(upper)
-            record.chunks, l2_of(child).chunks = chunks[:n], chunks[n:]
+            record.extents, l2_of(child).extents = extents[:n], extents[n:]
             record.kids = 1
         return upper
 
     def _promote(self, node: TreeNode, slots: np.ndarray, tick: int) -> None:
-        """An L2-only node gets RAM slots and joins L1 (an evictable leaf); it keeps its chunks."""
+        """An L2-only node gets RAM slots and joins L1 (an evictable leaf); it keeps its extents."""
         parent = node.parent
         assert parent is not None and len(slots) == node.num_tokens
         first = node.key[: self._page_bytes]
@@ -323,28 +323,28 @@ class TieredTree(RadixTree):
             elif not pinned:
                 self._maybe_l2_leaf(node)
 
-    def evict_l2(self, num_chunks: int) -> int:
-        """Free at least `num_chunks` chunks if that many are evictable; returns chunks freed."""
+    def evict_l2(self, num_extents: int) -> int:
+        """Free at least `num_extents` extents if that many are evictable; returns extents freed."""
         freed = 0
-        while freed < num_chunks and self.l2_order.num_members:
+        while freed < num_extents and self.l2_order.num_members:
             node = self.l2_order.pop()
-            chunks = chunks_of(node)
-            assert chunks is not None
+            extents = extents_of(node)
+            assert extents is not None
             if len(node.value):  # RAM keeps the KV: just drop the copy
-                freed += len(chunks)
-                self._set_chunks(node, None)
-            elif len(chunks) > num_chunks - freed:  # give up only the last chunks needed
-                keep = len(chunks) - (num_chunks - freed)
-                freed += len(chunks) - keep
-                self.store.free_chunks(chunks[keep:])
-                self.num_l2_chunks -= len(chunks) - keep
-                l2_of(node).chunks = chunks[:keep]
-                cut_edge(node, (node.start // CHUNK_TOKENS + keep) * CHUNK_TOKENS)
+                freed += len(extents)
+                self._set_extents(node, None)
+            elif len(extents) > num_extents - freed:  # give up only the last extents needed
+                keep = len(extents) - (num_extents - freed)
+                freed += len(extents) - keep
+                self.store.free_extents(extents[keep:])
+                self.num_l2_extents -= len(extents) - keep
+                l2_of(node).extents = extents[:keep]
+                cut_edge(node, (node.start // EXTENT_TOKENS + keep) * EXTENT_TOKENS)
                 self.l2_order.add(node)
             else:
-                freed += len(chunks)
+                freed += len(extents)
                 self.drop_l2(node)
-        self.l2_evicted_chunks += freed
+        self.l2_evicted_extents += freed
         return freed
 
     def drop_l2(self, node: TreeNode) -> None:
@@ -354,9 +354,9 @@ class TieredTree(RadixTree):
             n = stack.pop()
             record = l2_of(n)
             stack.extend(record.children.values())
-            if record.chunks is not None:
-                self.store.free_chunks(record.chunks)
-                self.num_l2_chunks -= len(record.chunks)
+            if record.extents is not None:
+                self.store.free_extents(record.extents)
+                self.num_l2_extents -= len(record.extents)
             if record.seq:
                 self.l2_order.discard(n)
             n.depth = -1
@@ -369,8 +369,8 @@ class TieredTree(RadixTree):
         self._l2_child_gone(parent)
 
     def flush_l2(self) -> int:
-        """Evict every unpinned chunk; returns how many."""
-        return self.evict_l2(self.num_l2_chunks)
+        """Evict every unpinned extent; returns how many."""
+        return self.evict_l2(self.num_l2_extents)
 
     def check_integrity(self) -> None:
         super().check_integrity()
@@ -392,33 +392,33 @@ class TieredTree(RadixTree):
             node = child
         return pos, node
 
-    def _make_room(self, node: TreeNode, num_chunks: int) -> None:
-        """Free chunks for `num_chunks` of the path down to `node`, never the chunks that path
+    def _make_room(self, node: TreeNode, num_extents: int) -> None:
+        """Free extents for `num_extents` of the path down to `node`, never the extents that path
         holds already: a chain's end is worth nothing without its head."""
-        if num_chunks <= self.store.num_free_chunks:
+        if num_extents <= self.store.num_free_extents:
             return
         held: list[TreeNode] = []
         while node.parent is not None:
-            if node.l2 is not None and node.l2.chunks is not None and not node.l2.pinned:
+            if node.l2 is not None and node.l2.extents is not None and not node.l2.pinned:
                 held.append(node)
             node = node.parent
         self.pin(tuple(held), True)
-        self.evict_l2(num_chunks - self.store.num_free_chunks)
+        self.evict_l2(num_extents - self.store.num_free_extents)
         self.pin(tuple(held), False)
 
-    def _set_chunks(self, node: TreeNode, chunks: np.ndarray | None) -> None:
+    def _set_extents(self, node: TreeNode, extents: np.ndarray | None) -> None:
         parent = node.parent
         assert parent is not None
         record, above = l2_of(node), l2_of(parent)
-        if record.chunks is not None:
-            self.store.free_chunks(record.chunks)
-            self.num_l2_chunks -= len(record.chunks)
+        if record.extents is not None:
+            self.store.free_extents(record.extents)
+            self.num_l2_extents -= len(record.extents)
             above.kids -= 1
             if record.seq:
                 self.l2_order.discard(node)
-        record.chunks = chunks
-        if chunks is not None:
-            self.num_l2_chunks += len(chunks)
+        record.extents = extents
+        if extents is not None:
+            self.num_l2_extents += len(extents)
             above.kids += 1
             if above.seq:
                 self.l2_order.discard(parent)
@@ -426,17 +426,17 @@ class TieredTree(RadixTree):
         else:
             self._maybe_l2_leaf(parent)
 
-    def _end_on_chunk(self, node: TreeNode) -> None:
-        """An L2-only node without children keeps no tail beyond its last chunk, unless it
-        holds that tail's chunk."""
+    def _end_on_extent(self, node: TreeNode) -> None:
+        """An L2-only node without children keeps no tail beyond its last extent, unless it
+        holds that tail's extent."""
         record = l2_of(node)
-        keeps = record.children or record.pinned or has_tail_chunk(node)
-        if keeps or not node.depth % CHUNK_TOKENS:
+        keeps = record.children or record.pinned or has_tail_extent(node)
+        if keeps or not node.depth % EXTENT_TOKENS:
             self._maybe_l2_leaf(node)
             return
-        cut = node.depth // CHUNK_TOKENS * CHUNK_TOKENS
+        cut = node.depth // EXTENT_TOKENS * EXTENT_TOKENS
         if cut <= node.start:
-            self.drop_l2(node)  # holds no chunk of its own: its tokens were in a child's
+            self.drop_l2(node)  # holds no extent of its own: its tokens were in a child's
         else:
             cut_edge(node, cut)
             self._maybe_l2_leaf(node)
@@ -445,7 +445,7 @@ class TieredTree(RadixTree):
         if parent.parent is None:
             self._forget_if_empty(parent)
         elif len(parent.value) == 0:
-            self._end_on_chunk(parent)
+            self._end_on_extent(parent)
         else:
             self._maybe_l2_leaf(parent)
 
@@ -456,20 +456,20 @@ class TieredTree(RadixTree):
             self._roots.pop(node.namespace, None)
 
     def _drop_tail(self, node: TreeNode) -> None:
-        """`node` gains a child: free its tail chunk (the child's first chunk holds those
-        tokens and more; two chunks at one position would break a chain's order)."""
+        """`node` gains a child: free its tail extent (the child's first extent holds those
+        tokens and more; two extents at one position would break a chain's order)."""
         record = l2_of(node)
-        assert record.chunks is not None
-        if len(record.chunks) == 1:
-            self._set_chunks(node, None)
+        assert record.extents is not None
+        if len(record.extents) == 1:
+            self._set_extents(node, None)
             return
-        self.store.free_chunks(record.chunks[-1:])
-        self.num_l2_chunks -= 1
-        record.chunks = record.chunks[:-1]
+        self.store.free_extents(record.extents[-1:])
+        self.num_l2_extents -= 1
+        record.extents = record.extents[:-1]
 
     def _maybe_l2_leaf(self, node: TreeNode) -> None:
         record = node.l2
-        if record is None or record.chunks is None or record.kids or record.pinned:
+        if record is None or record.extents is None or record.kids or record.pinned:
             return
         if not record.seq:
             self.l2_order.add(node)
