@@ -40,9 +40,9 @@ _HELP = {
     "cache": "radix reuses cached prefixes; none is the ablation",
     "kv_dtype": "the KV pool's dtype (default: the model's)",
     "eviction": "lru; turn-credit (later turns live longer); gdsf (costlier prefixes live "
-    "longer); docs/cache.md",
-    "l2_dir": "a directory for the L2 page file (KV on disk under the tree; default: none)",
-    "l2_capacity": "tokens of KV the L2 page file holds",
+    "longer); adaptive (learns online which order to follow); docs/cache.md",
+    "l2_dir": "a directory for the L2 extent file (KV on disk under the tree; default: none)",
+    "l2_capacity": "tokens of KV the L2 extent file holds",
     "max_running_requests": "requests decoding together",
     "max_batch_tokens": "tokens one forward pass may compute",
     "chunk_size": "the longest prefill chunk of one request per step",
