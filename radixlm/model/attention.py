@@ -38,12 +38,8 @@ import torch.nn.functional as F
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.kv_gather import PaddedRuns, gather_rows, head_rows
 from radixlm.model.native import DecodeLayout, ExtendLayout, Kernels
-from radixlm.model.shared_prefix import (
-    SharedDecode,
-    find_shared_prefixes,
-    plan_shared_decode,
-    shared_decode_attention,
-)
+from radixlm.model.shared_prefix import SharedDecode, plan_shared_decode, shared_decode_attention
+from radixlm.model.verify_rows import decode_units
 
 
 @dataclass(frozen=True)
@@ -96,8 +92,11 @@ class AttentionPlan:
         head_dim: int,
         kv_dtype: torch.dtype,
         kernels: Kernels | None = None,
+        *,
+        num_heads: int,
     ) -> AttentionPlan:
-        """`kernels`: the native kernels, for K/V in a CPU pool they read (or None)."""
+        """`kernels`: the native kernels, for K/V in a CPU pool they read (or None);
+        `num_heads`: query heads (the decode kernel's units are sized in query rows)."""
         device = batch.input_ids.device
         spans: list[ExtendSpan] = []
         for_kernel: list[tuple[int, int, int, torch.Tensor]] = []  # (start, e, prefix, slots)
@@ -115,7 +114,8 @@ class AttentionPlan:
             start += extend_len
         native_spans = ExtendLayout(for_kernel) if for_kernel else None
         native = kernels is not None
-        decode = _decode_group(batch, decodes, num_kv_heads, native) if decodes else None
+        group = num_heads // num_kv_heads
+        decode = _decode_group(batch, decodes, num_kv_heads, group, native) if decodes else None
         num_rows = max(
             [0]
             + [s.gather_rows.numel() for s in spans if s.gather_rows is not None]
@@ -140,14 +140,15 @@ def _extend_span(
 
 
 def _decode_group(
-    batch: ForwardBatch, members: list[int], num_kv_heads: int, native: bool
+    batch: ForwardBatch, members: list[int], num_kv_heads: int, query_group: int, native: bool
 ) -> DecodeGroup:
     device = batch.input_ids.device
     slot_lists = [batch.seq_slots[i] for i in members]
     ends = np.cumsum(batch.extend_lens)
     token_rows = torch.from_numpy(ends[members] - 1).to(device)  # each member's one new token
     if native:
-        layout = DecodeLayout(slot_lists, find_shared_prefixes(slot_lists))
+        # verify chains keep a lone decode's bits (verify_rows.py); other rows share runs
+        layout = DecodeLayout(slot_lists, decode_units(batch, members, query_group))
         return DecodeGroup(token_rows, layout, None, None)
     shared = plan_shared_decode(slot_lists, num_kv_heads) if device.type == "cpu" else None
     return DecodeGroup(token_rows, None, PaddedRuns.of(slot_lists, num_kv_heads), shared)

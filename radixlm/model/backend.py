@@ -195,8 +195,8 @@ class Backend(ABC):
         read its K/V: a float16 pool)."""
 
     @abstractmethod
-    def plan(self, batch: ForwardBatch, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype
-             ) -> AttentionPlan:  # fmt: skip
+    def plan(self, batch: ForwardBatch, num_heads: int, num_kv_heads: int, head_dim: int,
+             kv_dtype: torch.dtype) -> AttentionPlan:  # fmt: skip
         """The attention layout of one forward, shared by its layers."""
 
     @abstractmethod
@@ -257,9 +257,10 @@ class TorchBackend(Backend):
     def for_pool(self, pool: KVPool) -> Backend:
         return self
 
-    def plan(self, batch: ForwardBatch, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype
-             ) -> AttentionPlan:  # fmt: skip
-        return AttentionPlan.build(batch, num_kv_heads, head_dim, kv_dtype, None)
+    def plan(self, batch: ForwardBatch, num_heads: int, num_kv_heads: int, head_dim: int,
+             kv_dtype: torch.dtype) -> AttentionPlan:  # fmt: skip
+        return AttentionPlan.build(batch, num_kv_heads, head_dim, kv_dtype, None,
+                                   num_heads=num_heads)  # fmt: skip
 
     def rope_dtype(self, model_dtype: torch.dtype, qk_norm: bool) -> torch.dtype:
         return model_dtype
@@ -300,9 +301,10 @@ class NativeBackend(Backend):
     def for_pool(self, pool: KVPool) -> Backend:
         return self if pool.dtype in native.KV_DTYPES else PYTORCH
 
-    def plan(self, batch: ForwardBatch, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype
-             ) -> AttentionPlan:  # fmt: skip
-        return AttentionPlan.build(batch, num_kv_heads, head_dim, kv_dtype, self.kernels)
+    def plan(self, batch: ForwardBatch, num_heads: int, num_kv_heads: int, head_dim: int,
+             kv_dtype: torch.dtype) -> AttentionPlan:  # fmt: skip
+        return AttentionPlan.build(batch, num_kv_heads, head_dim, kv_dtype, self.kernels,
+                                   num_heads=num_heads)  # fmt: skip
 
     def rope_dtype(self, model_dtype: torch.dtype, qk_norm: bool) -> torch.dtype:
         # the native rope_store computes in float32 whatever the model's dtype; q/k norms go

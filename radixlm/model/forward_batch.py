@@ -13,16 +13,34 @@ is a decode (`is_decode`) when it has one new token over a non-empty prefix: one
 pool slots, which attention batches into one decode call; a step whose every request is a decode
 (`is_pure_decode`) may run its whole layer loop in one native call. The model never keeps state
 between calls: everything it needs is here and in the KV pool.
+
+Verify chains (speculative decoding): a request built with `verify=True` has its new tokens laid
+out as a chain of decode rows instead of one extend, row j over the prefix and the chain's rows
+before it, and every row returns logits. Each row is then an ordinary decode (one query row, the
+decode kernels, the same per-row arithmetic as a decode step), so the model gives row j the bits
+that decoding those tokens one step at a time would give it; `chains` tells attention which rows
+form one chain (model/verify_rows.py lays them out so that this holds).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
+
+
+class VerifyChain(NamedTuple):
+    """Rows [first, first + num_rows) of a batch decode one request's tokens in a chain: row
+    first + j sees the `prefix_len` slots of the prefix and rows first .. first + j."""
+
+    first: int
+    num_rows: int
+    prefix_len: int
 
 
 @dataclass(frozen=True)
@@ -34,6 +52,7 @@ class ForwardBatch:
     extend_lens: list[int]  # per request: number of new tokens
     prefix_lens: list[int]  # per request: tokens already in the pool before this step
     logits_indices: torch.Tensor  # (R,) rows of the T new tokens whose logits are returned
+    chains: tuple[VerifyChain, ...] = ()  # requests (rows here) that are one verify chain
 
     @property
     def batch_size(self) -> int:
@@ -47,7 +66,8 @@ class ForwardBatch:
     def is_decode(self) -> tuple[bool, ...]:
         """Per request: one new token over a non-empty prefix. The model's one definition of a
         decode row; the engine's `ScheduledRequest.is_decode` (an output token) implies it, and a
-        prompt's last token over a cached prefix is one too (the same single query row)."""
+        prompt's last token over a cached prefix is one too (the same single query row), as is
+        every row of a verify chain."""
         return tuple(e == 1 and p > 0 for p, e in zip(self.prefix_lens, self.extend_lens))
 
     @property
@@ -63,6 +83,7 @@ class ForwardBatch:
         new_slots: Sequence[np.ndarray],
         all_logits: bool = False,
         device: str | torch.device = "cpu",
+        verify: Sequence[bool] | None = None,
     ) -> ForwardBatch:
         """Pack requests into a batch.
 
@@ -70,9 +91,18 @@ class ForwardBatch:
         in the pool (positions 0..prefix_len-1); new_slots[i]: one slot per new token, already
         allocated by the caller. Logits are returned for the last new token of each request, or
         for every new token when `all_logits` (tests compare full prefills).
+
+        verify[i] (requests with a non-empty prefix): lay request i out as a verify chain, one
+        decode row per new token, each returning logits. The logits rows stay in request order:
+        a chain of e tokens gives e consecutive rows where a plain request gives one (or its
+        extend_len with `all_logits`).
         """
         if not (len(new_tokens) == len(prefix_slots) == len(new_slots)) or not new_tokens:
             raise ValueError("new_tokens, prefix_slots, new_slots: equal non-empty lists")
+        if verify is not None and any(verify):
+            rows = _chain_rows(new_tokens, prefix_slots, new_slots, verify)
+            batch = cls.build(*rows, all_logits=all_logits, device=device)
+            return dataclasses.replace(batch, chains=_chains(new_tokens, prefix_slots, verify))
         extend_lens = [len(t) for t in new_tokens]
         prefix_lens = [len(s) for s in prefix_slots]
         for i, (e, s) in enumerate(zip(extend_lens, new_slots)):
@@ -98,3 +128,48 @@ class ForwardBatch:
             prefix_lens=prefix_lens,
             logits_indices=torch.from_numpy(np.asarray(logits_rows, dtype=np.int64)).to(device),
         )
+
+
+def _chain_rows(
+    new_tokens: Sequence[Sequence[int]],
+    prefix_slots: Sequence[np.ndarray],
+    new_slots: Sequence[np.ndarray],
+    verify: Sequence[bool],
+) -> tuple[list[Sequence[int]], list[np.ndarray], list[np.ndarray]]:
+    """The requests with each verified one split into its decode rows: row j's prefix is the
+    request's prefix and its first j new slots."""
+    if len(verify) != len(new_tokens):
+        raise ValueError(f"verify has {len(verify)} flags for {len(new_tokens)} requests")
+    tokens: list[Sequence[int]] = []
+    prefixes: list[np.ndarray] = []
+    slots: list[np.ndarray] = []
+    for toks, prefix, new, chained in zip(new_tokens, prefix_slots, new_slots, verify):
+        if not chained:
+            tokens.append(toks)
+            prefixes.append(prefix)
+            slots.append(new)
+            continue
+        if len(prefix) == 0:
+            raise ValueError("a verify chain needs a prefix: its rows are decode rows")
+        if len(toks) != len(new):
+            raise ValueError(f"{len(toks)} new tokens but {len(new)} new slots")
+        whole = np.concatenate([np.asarray(prefix, np.int64), np.asarray(new, np.int64)])
+        for j, token in enumerate(toks):
+            tokens.append([token])
+            prefixes.append(whole[: len(prefix) + j])
+            slots.append(whole[len(prefix) + j : len(prefix) + j + 1])
+    return tokens, prefixes, slots
+
+
+def _chains(
+    new_tokens: Sequence[Sequence[int]], prefix_slots: Sequence[np.ndarray], verify: Sequence[bool]
+) -> tuple[VerifyChain, ...]:
+    """Where each verified request's rows landed (as `_chain_rows` laid them out)."""
+    chains, row = [], 0
+    for toks, prefix, chained in zip(new_tokens, prefix_slots, verify):
+        if chained:
+            chains.append(VerifyChain(row, len(toks), len(prefix)))
+            row += len(toks)
+        else:
+            row += 1
+    return tuple(chains)

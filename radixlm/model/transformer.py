@@ -258,7 +258,7 @@ class CausalLM(nn.Module):
         c = self.config
         backend = self.backend.for_pool(pool)
         h = backend.embed(self.model.embed_tokens, batch.input_ids)  # (T, hidden)
-        plan = backend.plan(batch, c.num_kv_heads, c.head_dim, pool.dtype)
+        plan = backend.plan(batch, c.num_heads, c.num_kv_heads, c.head_dim, pool.dtype)
         rope_dtype = backend.rope_dtype(h.dtype, c.qk_norm)
         rope = rope_cos_sin(batch.positions, self.inv_freq, rope_dtype)
         x = backend.decode_layers(h, rope, batch, plan, pool)

@@ -269,11 +269,16 @@ ALWAYS_INLINE void rows_chunk(const char *const *k_rows, const char *const *v_ro
         for (int64_t c = 0; c < nv; c++) storev(acc + i * D + 16 * c, a[i][c]);
 }
 
-/* n query rows attend to keys slots[0 .. len), 16 keys per chunk, ROWS rows at a time; the
-   next chunk's rows are prefetched while this one is computed. */
+/* n query rows (members of `group` rows each) attend to keys slots[0 .. len), 16 keys per
+   chunk; the next chunk's rows are prefetched while this one is computed. Each member's rows go
+   in calls of up to ROWS, as they would for that member alone: a literal row count is its own
+   instantiation, whose arithmetic the compiler may order differently (-ffast-math), so this
+   keeps a row's bits the same in a unit and alone (a verify chain's rows rely on it:
+   model/verify_rows.py). */
 ALWAYS_INLINE void attend_rows(const KeySource *src, const float *qs, const void *qp, float scale,
-                               int64_t n, const int64_t *slots, int64_t len, float *acc, float *m,
-                               float *l, const int64_t D, const int bf16, const int dots)
+                               int64_t n, int64_t group, const int64_t *slots, int64_t len,
+                               float *acc, float *m, float *l, const int64_t D, const int bf16,
+                               const int dots)
 {
     const int64_t row_bytes = D * (bf16 ? 2 : 4);
     const char *k_rows[16], *v_rows[16];
@@ -286,11 +291,13 @@ ALWAYS_INLINE void attend_rows(const KeySource *src, const float *qs, const void
             const int64_t at = slots[next + j] * src->row_bytes + src->head_offset;
             prefetch_row(src->k + at, src->v + at, row_bytes);
         }
-        for (int64_t r = 0; r < n; r += ROWS) {
+        for (int64_t r = 0, nr; r < n; r += nr) {
+            const int64_t end = (r / group + 1) * group; /* the end of this row's member */
+            nr = end - r < ROWS ? end - r : ROWS;
             const float *q = qs + r * D;
             const void *q2 = dots ? (const char *)qp + r * D * 2 : NULL;
             float *a = acc + r * D, *mr = m + r, *lr = l + r;
-            switch (n - r < ROWS ? n - r : ROWS) { /* literal row counts: registers, unrolled */
+            switch (nr) { /* literal row counts: registers, unrolled */
             case 1: rows_chunk(k_rows, v_rows, count, q, q2, scale, 1, a, mr, lr, D, bf16, dots); break;
             case 2: rows_chunk(k_rows, v_rows, count, q, q2, scale, 2, a, mr, lr, D, bf16, dots); break;
             case 3: rows_chunk(k_rows, v_rows, count, q, q2, scale, 3, a, mr, lr, D, bf16, dots); break;
@@ -309,13 +316,14 @@ ALWAYS_INLINE void attend_rows(const KeySource *src, const float *qs, const void
    other sizes take update_block: a dozen more copies of attend_rows doubled the build time),
    update_block elsewhere. */
 #if defined(__AVX512F__)
-#define ATTEND_ROWS(src, qs, qp, scale, n, slots, len, acc, m, l, D, bf16, dots, wide)           \
+#define ATTEND_ROWS(src, qs, qp, scale, n, group, slots, len, acc, m, l, D, bf16, dots, wide)    \
     do {                                                                                         \
-        if (wide) attend_rows(src, qs, qp, scale, n, slots, len, acc, m, l, D, bf16, dots);      \
+        if (wide)                                                                                \
+            attend_rows(src, qs, qp, scale, n, group, slots, len, acc, m, l, D, bf16, dots);     \
         else attend_keys(src, qs, n, slots, len, acc, m, l, D, bf16);                            \
     } while (0)
 #else
-#define ATTEND_ROWS(src, qs, qp, scale, n, slots, len, acc, m, l, D, bf16, dots, wide)           \
+#define ATTEND_ROWS(src, qs, qp, scale, n, group, slots, len, acc, m, l, D, bf16, dots, wide)    \
     attend_keys(src, qs, n, slots, len, acc, m, l, D, bf16)
 #endif
 
@@ -372,13 +380,15 @@ ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int
 #endif
                 tile_attend(&tile, qs, src, slots, run[1], kt, vb, D, bf16);
         } else { /* few rows: row by row, each K/V row still loaded once for all */
-            ATTEND_ROWS(src, qs, qp, b->scale, n, slots, run[1], acc, m, l, D, bf16, dots, wide);
+            ATTEND_ROWS(src, qs, qp, b->scale, n, group, slots, run[1], acc, m, l, D, bf16, dots,
+                        wide);
         }
     }
     for (int64_t r = 0; r < num_members; r++) {
         const int64_t *mine = b->own + 2 * (first + r), at = r * group;
         ATTEND_ROWS(src, qs + at * D, dots ? (const char *)qp + at * D * 2 : NULL, b->scale, group,
-                    b->slots + mine[0], mine[1], acc + at * D, m + at, l + at, D, bf16, dots, wide);
+                    group, b->slots + mine[0], mine[1], acc + at * D, m + at, l + at, D, bf16, dots,
+                    wide);
     }
     for (int64_t i = 0; i < n; i++) {
         const int64_t row = b->member_row[first + i / group];
