@@ -22,6 +22,10 @@ CachedTokensReport = Literal["exact", "page", "none"]
 # on the dequantized weights) or int8 ("fast"); or "float", dequantized to the model's dtype.
 QuantMode = Literal["exact", "fast", "float"]
 Quantize = Literal["none", "q8_0"]
+# Drafted tokens verified in the decode step (engine/speculate.py): "tree" drafts from the radix
+# tree, the request's own tokens and its grammar on any backend; "auto" does so where verify rows
+# keep a decode step's bits (greedy output identical with speculation on and off); "off" never.
+Speculate = Literal["off", "tree", "auto"]
 
 
 @dataclass(frozen=True)
@@ -91,8 +95,11 @@ class SchedulerConfig:
     policy: Policy = "lpm"
     max_waiting_requests: int = 4096  # a full waiting queue rejects new requests
     max_wait_steps: int = 256  # LPM age bound: a request waiting longer goes first
+    speculate: Speculate = "auto"
 
     def __post_init__(self) -> None:
+        if self.speculate not in ("off", "tree", "auto"):
+            raise ValueError(f"speculate must be off, tree or auto, got {self.speculate!r}")
         for name in ("max_running_requests", "max_batch_tokens", "chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -139,6 +139,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: FinishReason | None
     logprobs: list[TokenLogprob] | None = None
+    # draft tokens verified for this sample and how many of them it kept (engine/speculate.py)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -179,3 +182,6 @@ class StreamDelta:
     completion_tokens: int
     cached_tokens: int
     error: str | None = None
+    # draft tokens verified for this sample so far and those it kept; None: speculation off
+    drafted_tokens: int | None = None
+    accepted_tokens: int = 0

@@ -20,7 +20,8 @@ from radixlm.engine.engine import Engine, ForwardError
 from radixlm.engine.request import Request
 from radixlm.request import SamplingParams
 
-KV_FIELDS = {"node", "slots", "cached_len", "computed_len", "forks"}  # forks: who waits on it
+# forks: the samples that wait on it; draft_slots: a verify step's draft rows
+KV_FIELDS = {"node", "slots", "cached_len", "computed_len", "draft_slots", "forks"}
 
 
 @pytest.fixture

@@ -58,6 +58,16 @@ class GrammarMatcher:
         if not self._matcher.consume_token(token_id):
             raise GrammarError(f"the output left its grammar: {self.error}")
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar forces next, changing nothing (llguidance's fast-forward
+        tokens; engine/speculate.py drafts them: jump-forward). Empty when the next token is
+        a choice, or where the forced bytes could still merge with what follows."""
+        return list(self._matcher.compute_ff_tokens())
+
+    def valid_prefix_len(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` the grammar would accept from here, changing nothing."""
+        return int(self._matcher.validate_tokens(list(tokens)))
+
     @property
     def error(self) -> str:
         return self._matcher.get_error()

@@ -49,6 +49,9 @@ _HELP = {
     "policy": "lpm: longest cached prefix first; fcfs: arrival order",
     "max_waiting_requests": "a full waiting queue answers 503",
     "max_wait_steps": "LPM age bound, in scheduling steps",
+    "speculate": "draft tokens from the radix tree, the request's own tokens and its grammar, "
+    "verified in the decode step: tree (always), auto (where greedy output stays identical), "
+    "off; docs/engine.md",
     "host": "the address to bind (0.0.0.0 exposes the server)",
     "port": "the TCP port",
     "model_name": "the model id served by /v1/models (default: from --model)",

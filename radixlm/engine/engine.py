@@ -2,6 +2,10 @@
 
     step():  schedule -> build batch -> forward -> postprocess -> sample -> output
 
+With speculation (engine/speculate.py) a decoding request may verify a draft in its step: its
+rows are sampled in turn, row j only while the model agreed with the draft's first j tokens, so
+every token it emits is one the model sampled after exactly the tokens before it.
+
 The scheduler decides who computes which tokens, hands out their slots and, after the forward
 pass, advances the requests and commits their KV (it alone writes a request's KV state); the
 runner computes logits; the sampler picks tokens; the output stage appends them, streams text and
@@ -25,6 +29,7 @@ outside it go on). Either way every slot comes back.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -35,13 +40,16 @@ import torch
 
 from radixlm.agents.grammar import GrammarError
 from radixlm.cache import create_prefix_cache
+from radixlm.cache.drafts import TreeDrafts
 from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
 from radixlm.engine.request import Request, RequestState
 from radixlm.engine.runner import ModelRunner
 from radixlm.engine.sampler import SampledToken, Sampler, SamplingFailure
-from radixlm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from radixlm.engine.scheduler import SampleRow, ScheduledRequest, Scheduler, SchedulerOutput
+from radixlm.engine.speculate import Speculator
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.loader import LoadProgress
+from radixlm.model.verify_rows import exact_rows
 from radixlm.request import FinishReason, SamplingParams, StreamDelta
 
 log = logging.getLogger(__name__)
@@ -58,6 +66,9 @@ class EngineStats:
     cached_prompt_tokens: int = 0  # of those, served from the cache at admission
     finished_requests: int = 0  # ran to a stop or the length limit
     aborted_requests: int = 0  # aborted, or failed by an engine error
+    output_tokens: int = 0  # tokens sampled and appended to outputs
+    draft_tokens: int = 0  # draft tokens verified (rows computed beside the decode rows)
+    accepted_tokens: int = 0  # of those, the ones the model agreed with
 
 
 class QueueFullError(RuntimeError):
@@ -89,7 +100,12 @@ class Engine:
         self.runner = ModelRunner(self.model_config, self.cache_config, progress)
         self.tokenizer = self.runner.tokenizer
         self.cache = create_prefix_cache(self.cache_config, self.runner.pool)
-        self.scheduler = Scheduler(self.scheduler_config, self.cache)
+        self.speculator = Speculator(
+            self.scheduler_config.speculate,
+            TreeDrafts() if self.cache.shares_prefixes else None,
+            exact_rows(self.runner.model, self.runner.pool),
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.cache, self.speculator)
         self.sampler = Sampler()
         self.stats = EngineStats()
         self._requests: dict[str, list[Request]] = {}  # request id -> its n samples
@@ -167,7 +183,7 @@ class Engine:
             return []
         batch = _prepare_batch(plan.scheduled, self.runner.device)
         try:
-            logits = self.runner.forward(batch)  # (R, vocab): the last new token of each request
+            logits = self.runner.forward(batch)  # (R, vocab): each request's rows, in order
         except Exception as exc:
             self.scheduler.cancel(plan.scheduled)
             raise ForwardError([s.req.rid for s in plan.scheduled]) from exc
@@ -178,25 +194,55 @@ class Engine:
         to_sample = self.scheduler.postprocess(plan.scheduled)
         if not to_sample:
             return []  # every request computed a chunk of a longer prefill
-        outcomes = self.sampler.sample_each(
-            logits[[s.row for s in to_sample]], [s.req.sampling for s in to_sample]
-        )
-        return self._output([s.req for s in to_sample], outcomes)
+        return _merge(self._sample(to_sample, logits))
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _output(
-        self, reqs: list[Request], outcomes: list[SampledToken | SamplingFailure]
-    ) -> list[StreamDelta]:
+    def _sample(self, rows: list[SampleRow], logits: torch.Tensor) -> list[StreamDelta]:
+        """Sample every request's row; a request with a draft goes on to its next row while the
+        token it sampled is the draft's next token (that row's KV is then kept): one batched
+        sampler call per round. Sampling a row from the model's distribution and keeping the
+        draft token only if it is the token drawn is the standard accept/reject rule for a
+        deterministic draft: the draft token is kept with probability p(d), and a rejected row
+        yields a token from p restricted to the others. One uniform per emitted token, as in
+        plain decoding, so a seeded request gets the same tokens with speculation on or off."""
         now = time.perf_counter()
         deltas: list[StreamDelta] = []
-        for req, outcome in zip(reqs, outcomes, strict=True):
-            if req.finished:  # failed with another sample of its request this step
-                continue
-            if isinstance(outcome, SamplingFailure):
-                deltas += self._fail(req, "sampling", outcome.error)
-            else:
-                deltas += self._append_token(req, outcome, now)
+        accepted = [0] * len(rows)
+        live, depth = list(range(len(rows))), 0
+        while live:
+            picked = [rows[i] for i in live]
+            outcomes = self.sampler.sample_each(
+                logits[[r.row + depth for r in picked]], [r.req.sampling for r in picked]
+            )
+            going = []
+            for i, r, outcome in zip(live, picked, outcomes, strict=True):
+                req, draft = r.req, r.draft
+                if req.finished:  # failed with another sample of its request this step
+                    continue
+                deltas += self._output(req, outcome, now)
+                if (
+                    draft is not None
+                    and depth < len(draft.tokens)
+                    and not req.finished
+                    and req.output_ids[-1] == draft.tokens[depth]
+                ):
+                    self.scheduler.accept_draft(req)
+                    accepted[i] += 1
+                    going.append(i)
+            live, depth = going, depth + 1
+        for r, kept in zip(rows, accepted, strict=True):
+            if r.draft is not None:
+                self.scheduler.end_verify(r.req, r.draft, kept)
+                self.stats.accepted_tokens += kept
         return deltas
+
+    def _output(
+        self, req: Request, outcome: SampledToken | SamplingFailure, now: float
+    ) -> list[StreamDelta]:
+        if isinstance(outcome, SamplingFailure):
+            return self._fail(req, "sampling", outcome.error)
+        self.stats.output_tokens += 1
+        return self._append_token(req, outcome, now)
 
     def _append_token(self, req: Request, sampled: SampledToken, now: float) -> list[StreamDelta]:
         token = sampled.token_id
@@ -259,7 +305,14 @@ class Engine:
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cache_hit_len or 0,
             error=req.error,
+            drafted_tokens=self._drafted(req),
+            accepted_tokens=req.speculation.accepted if req.speculation else 0,
         )
+
+    def _drafted(self, req: Request) -> int | None:
+        if not self.speculator.enabled:
+            return None
+        return req.speculation.drafted if req.speculation else 0
 
     def _count(self, plan: SchedulerOutput) -> None:
         """Count a computed step: prompts admitted for the first time, prefill and decode."""
@@ -273,6 +326,7 @@ class Engine:
                 self.stats.decode_tokens += 1
             else:
                 self.stats.prefill_tokens += item.extend_len
+            self.stats.draft_tokens += item.num_rows - 1
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
@@ -301,9 +355,33 @@ class Engine:
 
 
 def _prepare_batch(scheduled: list[ScheduledRequest], device: torch.device) -> ForwardBatch:
+    """The step's batch: each request's tokens to compute, a draft's tokens after them as a
+    verify chain (its rows are decode rows, each with logits)."""
     return ForwardBatch.build(
-        new_tokens=[s.req.all_ids[s.start : s.start + s.extend_len] for s in scheduled],
+        new_tokens=[
+            s.req.all_ids[s.start : s.start + s.extend_len]
+            + list(s.draft.tokens if s.draft else [])
+            for s in scheduled
+        ],
         prefix_slots=[s.req.slots for s in scheduled],
         new_slots=[s.new_slots for s in scheduled],
         device=device,
+        verify=[s.draft is not None for s in scheduled],
     )
+
+
+def _merge(deltas: list[StreamDelta]) -> list[StreamDelta]:
+    """One delta per sample per step: a verify step's tokens of one sample together, in order."""
+    merged: dict[tuple[str, int], StreamDelta] = {}
+    for d in deltas:
+        key = (d.request_id, d.index)
+        before = merged.get(key)
+        if before is not None:
+            d = dataclasses.replace(
+                d,
+                text=before.text + d.text,
+                token_ids=before.token_ids + d.token_ids,
+                logprobs=before.logprobs + d.logprobs,
+            )
+        merged[key] = d
+    return list(merged.values())

@@ -7,10 +7,15 @@ request). Each step computes `all_ids[computed_len : computed_len + k]`; when th
 end of `all_ids`, the step's logits sample the next token. Prefill and decode are the same
 operation with different k.
 
+A step that verifies a draft (engine/speculate.py) also computes the KV of the drafted tokens,
+into `draft_slots` (in flight, owned by the request): each draft token the model accepts moves
+its slot to `slots`, and whatever is left is freed before the step ends.
+
 One writer per field: the Scheduler moves the KV fields (`node`, `slots`, `cached_len`,
-`computed_len`, `forks`), the scheduling state and `state`; the Engine appends sampled tokens
-and finishes the request. The constructor builds everything else a request carries: its
-sampling state (seeded stream, grammar matcher) and its output stream (text and why it ends).
+`computed_len`, `draft_slots`, `forks`), the scheduling state and `state`; the Speculator keeps
+`speculation`; the Engine appends sampled tokens and finishes the request. The constructor
+builds everything else a request carries: its sampling state (seeded stream, grammar matcher)
+and its output stream (text and why it ends).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import numpy as np
 from radixlm.cache.tree_node import TreeNode
 from radixlm.detokenizer import OutputStream
 from radixlm.engine.sampler import SamplingState
+from radixlm.engine.speculate import DraftState
 from radixlm.request import (
     CompletionOutput,
     FinishReason,
@@ -72,6 +78,7 @@ class Request:
         self.slots = np.empty(0, dtype=np.int64)
         self.cached_len = 0
         self.computed_len = 0
+        self.draft_slots = np.empty(0, dtype=np.int64)  # a verify step's draft rows, in flight
         # Prompt tokens served from the cache at first admission (None until admitted).
         self.cache_hit_len: int | None = None
         # Forks of an n > 1 request wait here until the first sample's prompt is computed.
@@ -83,6 +90,7 @@ class Request:
         self.match_hint = 0
         self.hint_version: object = None
         self.wait_steps = 0  # scheduling passes spent waiting (the LPM age bound)
+        self.speculation: DraftState | None = None  # its drafting, once it drafted
 
         # Timings (perf_counter seconds).
         self.first_scheduled_time: float | None = None
@@ -141,6 +149,8 @@ def request_output(rid: str, samples: Sequence[Request]) -> RequestOutput:
                 token_ids=list(r.output_ids),
                 finish_reason=r.finish_reason,
                 logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
+                drafted_tokens=r.speculation.drafted if r.speculation else 0,
+                accepted_tokens=r.speculation.accepted if r.speculation else 0,
             )
             for r in samples
         ],

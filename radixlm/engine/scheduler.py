@@ -18,6 +18,13 @@ It owns the waiting and running queues and is the one writer of a request's KV s
 A ScheduledRequest records where its step starts, so nothing downstream depends on when
 `computed_len` moves.
 
+Drafts (engine/speculate.py): once the step's decodes, prefill chunks and admissions are set, a
+decoding request may also verify a draft in the same step, within what is left of the token
+budget (draft tokens count in it) and of the rows the speculator allows, on free slots only (a
+guess never evicts the cache or retracts a request). After the forward pass the draft rows'
+slots are the request's `draft_slots`; the engine keeps the accepted ones (`accept_draft`) and
+`end_verify` frees the rest in the same step.
+
 Memory never deadlocks: when a running request cannot get a slot, the newest running request is
 retracted — its computed KV is committed to the tree, so it resumes with a cache hit — and
 requeued at the front. Admission guarantees every request fits the pool alone, so the oldest
@@ -44,6 +51,7 @@ from radixlm.cache.radix_tree import MatchResult, RadixTree, TreeNode
 from radixlm.cache.tree_node import DEFAULT_RETENTION, KEEP, RAM_ONLY
 from radixlm.config import SchedulerConfig
 from radixlm.engine.request import Request, RequestState
+from radixlm.engine.speculate import Draft, Speculator
 
 # SamplingParams.cache_retention -> what the tree stamps on the nodes a request inserts
 RETENTION = {None: DEFAULT_RETENTION, "in_memory": RAM_ONLY, "24h": KEEP}
@@ -51,12 +59,14 @@ RETENTION = {None: DEFAULT_RETENTION, "in_memory": RAM_ONLY, "24h": KEEP}
 
 @dataclass(frozen=True)
 class ScheduledRequest:
-    """One request's share of a step: it computes all_ids[start : start + extend_len]."""
+    """One request's share of a step: it computes all_ids[start : start + extend_len], and with
+    a draft the KV of the draft's tokens after them (verify rows)."""
 
     req: Request
     start: int  # req.computed_len when scheduled
     extend_len: int
-    new_slots: np.ndarray  # one in-flight slot per computed token
+    new_slots: np.ndarray  # one in-flight slot per computed token, then one per draft token
+    draft: Draft | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -64,12 +74,30 @@ class ScheduledRequest:
         a resumed request recomputing its outputs is a prefill)."""
         return self.extend_len == 1 and self.start >= self.req.prompt_len
 
+    @property
+    def num_rows(self) -> int:
+        """Its logits rows: the last computed token's, then one per draft token."""
+        return 1 + (len(self.draft.tokens) if self.draft else 0)
+
+    @property
+    def new_tokens(self) -> list[int]:
+        """The token ids it puts through the forward pass: its own, then the draft's."""
+        ids = self.req.all_ids[self.start : self.start + self.extend_len]
+        return ids + list(self.draft.tokens) if self.draft else ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens it puts through the forward pass (the token budget's unit)."""
+        return self.extend_len + self.num_rows - 1
+
 
 class SampleRow(NamedTuple):
-    """A request whose next token is sampled from `row` of the step's logits."""
+    """A request whose next token is sampled from `row` of the step's logits; with a draft,
+    row + j samples the token after the draft's first j tokens."""
 
     req: Request
     row: int
+    draft: Draft | None = None
 
 
 @dataclass
@@ -82,9 +110,12 @@ class SchedulerOutput:
 class Scheduler:
     """Waiting and running queues over a prefix cache (see the module docstring)."""
 
-    def __init__(self, config: SchedulerConfig, cache: PrefixCache) -> None:
+    def __init__(
+        self, config: SchedulerConfig, cache: PrefixCache, speculator: Speculator | None = None
+    ) -> None:
         self.config = config
         self.cache = cache
+        self.speculator = speculator
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is the newest
         self._loads: dict[int, PendingMatch] = {}  # id(waiting request) -> its prefix loading
@@ -153,6 +184,7 @@ class Scheduler:
             if req.state is RequestState.RUNNING and self._extend(req, n, out, scheduled):
                 budget -= n
         self._admit(budget, out)
+        self._draft(out)
         if not out.scheduled and self._loads:  # nothing to compute: wait for the disk, not spin
             self.cache.wait_loads(list(self._loads.values()), timeout_s=0.05)
         return out
@@ -212,6 +244,29 @@ class Scheduler:
         for req in self.waiting:
             req.wait_steps += 1
 
+    def _draft(self, out: SchedulerOutput) -> None:
+        """Drafts for the step's decoding requests, oldest first, within the budget and rows
+        left and the free slots (see the module docstring)."""
+        spec = self.speculator
+        if spec is None or not spec.enabled:
+            return
+        used = sum(item.num_tokens for item in out.scheduled)
+        room = min(self.config.max_batch_tokens, spec.max_rows) - used
+        for i, item in enumerate(out.scheduled):
+            req = item.req
+            if room <= 0:
+                break
+            if item.extend_len != 1 or item.start == 0 or req.remaining_len != 1 or req.forks:
+                continue  # it samples no token this step, or its forks share its row
+            left = req.params.max_tokens - len(req.output_ids) - 1  # the last token is sampled
+            draft = spec.propose(req, min(room, left, self.cache.num_free))
+            if draft is None:
+                continue
+            slots = self.cache.alloc(len(draft.tokens))  # free slots: nothing is evicted
+            new_slots = np.concatenate([item.new_slots, slots])
+            out.scheduled[i] = ScheduledRequest(req, item.start, 1, new_slots, draft)
+            room -= len(draft.tokens)
+
     def _match(self, req: Request) -> MatchResult | None:
         """The request's cached prefix, or None while a lower tier loads it (others keep
         computing meanwhile; the load ends when its reads do or after a timeout)."""
@@ -269,21 +324,41 @@ class Scheduler:
         requests' KV fields and the cache (commit; match + lock for the forks).
         """
         rows: list[SampleRow] = []
-        for row, item in enumerate(scheduled):
+        row = 0  # each request's first logits row
+        for item in scheduled:
             req = item.req
-            req.slots = np.concatenate([req.slots, item.new_slots])
+            req.slots = np.concatenate([req.slots, item.new_slots[: item.extend_len]])
+            req.draft_slots = item.new_slots[item.extend_len :]
             req.computed_len = item.start + item.extend_len
             if not item.is_decode:
                 self._commit(req)
+            first, row = row, row + item.num_rows
             if req.remaining_len > 0:
                 continue  # a chunk of a longer prefill: nothing to sample yet
-            rows.append(SampleRow(req, row))
-            rows += [SampleRow(fork, row) for fork in self._start_forks(req)]
+            rows.append(SampleRow(req, first, item.draft))
+            rows += [SampleRow(fork, first) for fork in self._start_forks(req)]
         return rows
 
+    def accept_draft(self, req: Request) -> None:
+        """The token the engine just appended to `req` is the one its next draft row computed:
+        that row's KV (its first draft slot) becomes part of the request's."""
+        req.slots = np.concatenate([req.slots, req.draft_slots[:1]])
+        req.draft_slots = req.draft_slots[1:]
+        req.computed_len += 1
+
+    def end_verify(self, req: Request, draft: Draft, accepted: int) -> None:
+        """The step's sampling is over: free the draft rows the request did not keep (a request
+        that finished already gave them back) and tell the speculator how the draft went."""
+        if len(req.draft_slots):
+            self.cache.free(req.draft_slots)
+            req.draft_slots = np.empty(0, dtype=np.int64)
+        if self.speculator is not None:
+            self.speculator.verified(req, draft, accepted)
+
     def cancel(self, scheduled: Sequence[ScheduledRequest]) -> None:
-        """The forward pass failed: free the step's slots (no request holds them yet). Nothing
-        advanced: a request admitted this step stays running on its locked prefix."""
+        """The forward pass failed: free the step's slots, draft slots included (no request
+        holds them yet). Nothing advanced: a request admitted this step stays running on its
+        locked prefix."""
         for item in scheduled:
             self.cache.free(item.new_slots)
 
@@ -344,9 +419,13 @@ class Scheduler:
         (`finished`: done or aborted, not retracted)."""
         self._commit(req)
         assert req.node is not None
-        self.cache.release(req.node, req.slots[req.cached_len :], finished)
+        if finished and self.speculator is not None:
+            self.speculator.finished(req, req.node)  # its path, for other requests' drafts
+        in_flight = np.concatenate([req.slots[req.cached_len :], req.draft_slots])
+        self.cache.release(req.node, in_flight, finished)
         req.node = None
         req.slots = np.empty(0, dtype=np.int64)
+        req.draft_slots = np.empty(0, dtype=np.int64)
         req.cached_len = 0
         req.computed_len = 0
 
