@@ -46,6 +46,9 @@ class Usage:
     completion_tokens: int = 0
     # Prompt tokens whose KV came from the prefix cache; None: not reported (the server hides it)
     cached_tokens: int | None = 0
+    # Draft tokens verified and kept (engine/speculate.py); None: speculation is off
+    drafted_tokens: int | None = None
+    accepted_tokens: int = 0
 
     def to_dict(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -55,6 +58,10 @@ class Usage:
         }
         if self.cached_tokens is not None:
             out["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        if self.drafted_tokens is not None:  # a radixlm extension
+            out["speculation"] = {
+                "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens
+            }  # fmt: skip
         return out
 
 
@@ -62,6 +69,8 @@ class Usage:
 class _Sample:
     completion_tokens: int = 0
     last_token_time: float | None = None
+    drafted_tokens: int | None = None
+    accepted_tokens: int = 0
 
 
 @dataclass
@@ -153,12 +162,14 @@ class Generation:
 
     @property
     def usage(self) -> Usage:
+        samples = [s for p in self._state for s in p.samples.values()]
+        drafted = [s.drafted_tokens for s in samples if s.drafted_tokens is not None]
         return Usage(
             prompt_tokens=sum(p.prompt_tokens for p in self._state),
-            completion_tokens=sum(
-                s.completion_tokens for p in self._state for s in p.samples.values()
-            ),
+            completion_tokens=sum(s.completion_tokens for s in samples),
             cached_tokens=sum(p.cached_tokens for p in self._state),
+            drafted_tokens=sum(drafted) if drafted else None,
+            accepted_tokens=sum(s.accepted_tokens for s in samples),
         )
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -188,6 +199,7 @@ class Generation:
             prompt.cached_tokens = delta.cached_tokens
         sample = prompt.samples.setdefault(delta.index, _Sample())
         sample.completion_tokens = delta.completion_tokens
+        sample.drafted_tokens, sample.accepted_tokens = delta.drafted_tokens, delta.accepted_tokens
         if delta.token_ids and self.observer is not None:
             if sample.last_token_time is None:
                 self.observer.observe_ttft(now - self.arrival)

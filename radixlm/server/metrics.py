@@ -5,7 +5,8 @@ Two sources:
   tokens, time to first token and inter-token latency (fed by `Generation`);
 - what the engine knows: prefix-cache queried / hit / evicted tokens, the hit rate, running and
   waiting requests and the KV slot split, and with an L2 tier its hit tokens, bytes written
-  and read, load latency, rejected admissions and page split. A scrape takes a fresh
+  and read, load latency, rejected admissions and page split; with speculation, draft tokens
+  verified and kept per source. A scrape takes a fresh
   `EngineSnapshot` (in the engine thread) and `EngineCollector` exposes it, so engine-side
   values are never stale or racy.
 """
@@ -125,6 +126,8 @@ class EngineCollector(Collector):
         yield slots
         if s.l2 is not None:
             yield from _l2_metrics(s.l2)
+        if s.speculation is not None:
+            yield from _speculation_metrics(stats, s.speculation)
 
 
 class RequestCounterMiddleware:
@@ -176,6 +179,22 @@ def _l2_metrics(l2: dict[str, Any]) -> Iterator[Metric]:
     )
     hist.add_metric([], buckets, sum_value=l2["load_seconds_sum"])
     yield hist
+
+
+def _speculation_metrics(
+    stats: dict[str, int], sources: dict[str, dict[str, int]]
+) -> Iterator[Metric]:
+    """Draft tokens verified and kept, per source (engine/speculate.py), and the tokens
+    sampled: output tokens per engine step is what speculation raises."""
+    for key, name, doc in (
+        ("drafted", "radixlm_spec_draft_tokens", "Draft tokens verified, by source"),
+        ("accepted", "radixlm_spec_accepted_tokens", "Draft tokens the model kept, by source"),
+    ):
+        family = CounterMetricFamily(name, doc, labels=["source"])
+        for source, counts in sources.items():
+            family.add_metric([source], counts[key])
+        yield family
+    yield _counter("radixlm_output_tokens", "Tokens sampled", stats.get("output_tokens", 0))
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

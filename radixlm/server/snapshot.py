@@ -38,6 +38,8 @@ class EngineSnapshot:
     engine_stats: dict[str, int]
     cache_stats: dict[str, Any]
     l2: dict[str, Any] | None = None  # the L2 tier's counters (TieredRadixCache.l2_stats)
+    # drafted / accepted tokens per draft source (Speculator.stats); None: speculation off
+    speculation: dict[str, dict[str, int]] | None = None
 
     @property
     def num_used(self) -> int:
@@ -95,6 +97,7 @@ def take_snapshot(engine: Engine) -> EngineSnapshot:
         engine_stats=dataclasses.asdict(engine.stats),
         cache_stats=_jsonable(cache.stats()),
         l2=cache.l2_stats() if isinstance(cache, TieredRadixCache) else None,
+        speculation=engine.speculator.stats() if engine.speculator.enabled else None,
     )
 
 
