@@ -13,6 +13,7 @@ from helpers import save_tiny_model
 from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
 from radixlm.engine.engine import Engine
 from radixlm.engine.request import Request
+from radixlm.engine.speculate import StepCost
 from radixlm.request import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -36,6 +37,13 @@ def new_engine(
         CacheConfig(num_slots=num_slots, page_size=page_size, cache=cache),  # type: ignore[arg-type]
         SchedulerConfig(**scheduler),
     )
+
+
+def steady_drafts(engine: Engine, row_cost: float = 0.1) -> Engine:
+    """The engine with its speculator's row cost pinned (not fitted to this host's timings),
+    so which drafts a step verifies does not depend on how busy the machine is."""
+    engine.speculator.cost = StepCost(fixed=row_cost)
+    return engine
 
 
 def run(

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from engine_helpers import assert_idle, new_engine
+from engine_helpers import assert_idle, new_engine, steady_drafts
 from helpers import save_tiny_model
 
 from radixlm.agents.grammar import GrammarCompiler
@@ -59,7 +59,7 @@ def test_forced_tokens_take_one_step_and_change_no_token(
     model_dir: Path, temperature: float
 ) -> None:
     off = new_engine(model_dir, speculate="off")
-    on = new_engine(model_dir, speculate="auto")
+    on = steady_drafts(new_engine(model_dir, speculate="auto"))
     prompts = [off.tokenizer.encode(t) for t in ("Weather for Paris, 3 days: ", "Oslo? ")]
     expected = constrained(off, prompts, temperature)
     assert constrained(on, prompts, temperature) == expected
@@ -73,7 +73,7 @@ def test_forced_tokens_take_one_step_and_change_no_token(
 
 
 def test_forced_tokens_count_as_drafted_and_accepted_in_the_request(model_dir: Path) -> None:
-    engine = new_engine(model_dir, speculate="auto")
+    engine = steady_drafts(new_engine(model_dir, speculate="auto"))
     compiler = GrammarCompiler(engine.tokenizer, engine.runner.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=80,
                             constraint=compiler.json_schema(SCHEMA, strict=True))  # fmt: skip

@@ -18,10 +18,11 @@ import random
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from engine_helpers import assert_idle, new_engine, outputs, run
+from engine_helpers import assert_idle, new_engine, outputs, run, steady_drafts
 from helpers import save_tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -30,6 +31,8 @@ from test_native_kernel import ISAS, require_native_kernels
 
 from radixlm.engine.engine import Engine
 from radixlm.engine.scheduler import SchedulerOutput
+from radixlm.engine.speculate import Draft, Proposal, Speculator, StepCost
+from radixlm.model.verify_rows import UNBOUNDED
 from radixlm.request import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -46,7 +49,7 @@ def spec_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def engine_for(spec_model: Path) -> Callable[..., Engine]:
     def make(**options: Any) -> Engine:
-        return new_engine(spec_model, **options)
+        return steady_drafts(new_engine(spec_model, **options))
 
     return make
 
@@ -261,3 +264,31 @@ def record_plans(engine: Engine) -> list[SchedulerOutput]:
 def drain(engine: Engine) -> None:
     while engine.has_unfinished():
         engine.step()
+
+
+def test_choose_drafts_long_alone_and_short_in_a_large_batch() -> None:
+    """The marginal rule: a lone request that copies well verifies a long draft, a large
+    batch at the same rate only a short one each, a failing request none; forced tokens
+    (rate 1) always fit, up to the room left."""
+    spec = Speculator("tree", None, exact_rows=UNBOUNDED)
+    spec.cost = StepCost(fixed=0.15)
+    draft = Draft(tuple(range(16)), "prompt")
+
+    def lengths(rates: list[float], rows: int, room: int = 1000) -> list[int]:
+        proposals = [Proposal(SimpleNamespace(speculation=None), draft, r) for r in rates]  # type: ignore[arg-type]
+        return [len(d.tokens) if d else 0 for d in spec.choose(proposals, rows, room)]
+
+    assert lengths([0.95], rows=1)[0] >= 12
+    alone = lengths([0.7], rows=1)[0]
+    crowd = lengths([0.7] * 16, rows=16)
+    assert 2 <= alone <= 8 and max(crowd) < alone
+    assert lengths([0.1], rows=1) == [0]
+    assert lengths([1.0, 1.0], rows=2, room=20) == [10, 10]
+
+
+def test_the_row_cost_is_fitted_to_the_steps_timed() -> None:
+    cost = StepCost()
+    assert cost.row_cost == StepCost.PRIOR_ROW_COST
+    for n in [1, 2, 4, 8, 16, 3, 5, 9] * 4:
+        cost.observe(n, 0.010 + 0.002 * n)  # 10 ms fixed, 2 ms a row
+    assert abs(cost.row_cost - 0.2) < 1e-6

@@ -29,7 +29,6 @@ outside it go on). Either way every slot comes back.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -42,12 +41,14 @@ from radixlm.agents.grammar import GrammarError
 from radixlm.cache import create_prefix_cache
 from radixlm.cache.drafts import TreeDrafts
 from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
+from radixlm.engine.batch import merge_deltas, prepare_batch
+from radixlm.engine.limits import check_request
 from radixlm.engine.request import Request, RequestState
 from radixlm.engine.runner import ModelRunner
 from radixlm.engine.sampler import SampledToken, Sampler, SamplingFailure
-from radixlm.engine.scheduler import SampleRow, ScheduledRequest, Scheduler, SchedulerOutput
+from radixlm.engine.scheduler import Scheduler
 from radixlm.engine.speculate import Speculator
-from radixlm.model.forward_batch import ForwardBatch
+from radixlm.engine.step_plan import SampleRow, SchedulerOutput
 from radixlm.model.loader import LoadProgress
 from radixlm.model.verify_rows import exact_rows
 from radixlm.request import FinishReason, SamplingParams, StreamDelta
@@ -127,7 +128,10 @@ class Engine:
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         prompt = [int(t) for t in prompt_ids]
-        self._validate(prompt, params)
+        check_request(
+            prompt, params, self.runner.vocab_size, self.runner.max_context_len,
+            self.cache.capacity,
+        )  # fmt: skip
         samples = [
             Request(rid, prompt, params, self.tokenizer, namespace, index=i)
             for i in range(params.n)
@@ -181,7 +185,8 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
-        batch = _prepare_batch(plan.scheduled, self.runner.device)
+        batch = prepare_batch(plan.scheduled, self.runner.device)
+        started = time.perf_counter()
         try:
             logits = self.runner.forward(batch)  # (R, vocab): each request's rows, in order
         except Exception as exc:
@@ -190,11 +195,13 @@ class Engine:
         except BaseException:
             self.scheduler.cancel(plan.scheduled)
             raise
+        if all(s.extend_len == 1 for s in plan.scheduled):  # decode rows only: the row-cost fit
+            self.speculator.observe_step(batch.num_tokens, time.perf_counter() - started)
         self._count(plan)
         to_sample = self.scheduler.postprocess(plan.scheduled)
         if not to_sample:
             return []  # every request computed a chunk of a longer prefill
-        return _merge(self._sample(to_sample, logits))
+        return merge_deltas(self._sample(to_sample, logits))
 
     # ---- helpers ----------------------------------------------------------------------------
     def _sample(self, rows: list[SampleRow], logits: torch.Tensor) -> list[StreamDelta]:
@@ -208,15 +215,17 @@ class Engine:
         now = time.perf_counter()
         deltas: list[StreamDelta] = []
         accepted = [0] * len(rows)
+        ahead = self._sample_ahead(rows, logits)
         live, depth = list(range(len(rows))), 0
         while live:
-            picked = [rows[i] for i in live]
-            outcomes = self.sampler.sample_each(
-                logits[[r.row + depth for r in picked]], [r.req.sampling for r in picked]
-            )
+            need = [i for i in live if i not in ahead]
+            fresh = dict(zip(need, self.sampler.sample_each(
+                logits[[rows[i].row + depth for i in need]], [rows[i].req.sampling for i in need]
+            ))) if need else {}  # fmt: skip
             going = []
-            for i, r, outcome in zip(live, picked, outcomes, strict=True):
-                req, draft = r.req, r.draft
+            for i in live:
+                outcome = ahead[i][depth] if i in ahead else fresh[i]
+                req, draft = rows[i].req, rows[i].draft
                 if req.finished:  # failed with another sample of its request this step
                     continue
                 deltas += self._output(req, outcome, now)
@@ -235,6 +244,24 @@ class Engine:
                 self.scheduler.end_verify(r.req, r.draft, kept)
                 self.stats.accepted_tokens += kept
         return deltas
+
+    def _sample_ahead(
+        self, rows: list[SampleRow], logits: torch.Tensor
+    ) -> dict[int, list[SampledToken | SamplingFailure]]:
+        """Every row of the verify requests whose rows do not depend on the tokens kept before
+        them (greedy; no penalties, grammar or min_tokens ban in play), in one batched sampler
+        call instead of one per round: the same tokens the rounds would sample."""
+        chosen = [i for i, r in enumerate(rows) if r.draft is not None and _row_free(r.req)]
+        if not chosen:
+            return {}
+        spans = [(i, len(rows[i].draft.tokens) + 1) for i in chosen]  # type: ignore[union-attr]
+        index = [rows[i].row + j for i, n in spans for j in range(n)]
+        states = [rows[i].req.sampling for i, n in spans for _ in range(n)]
+        outcomes = self.sampler.sample_each(logits[index], states)
+        ahead, at = {}, 0
+        for i, n in spans:
+            ahead[i], at = outcomes[at : at + n], at + n
+        return ahead
 
     def _output(
         self, req: Request, outcome: SampledToken | SamplingFailure, now: float
@@ -328,60 +355,15 @@ class Engine:
                 self.stats.prefill_tokens += item.extend_len
             self.stats.draft_tokens += item.num_rows - 1
 
-    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        vocab = self.runner.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(
-                f"logit_bias token id {bad} is outside the vocabulary (0..{vocab - 1})"
-            )
-        need = len(prompt) + params.max_tokens
-        context = self.runner.max_context_len
-        if need > context:
-            raise ValueError(
-                f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) "
-                f"exceeds the model's context length of {context} tokens"
-            )
-        if need > self.cache.capacity:
-            raise ValueError(
-                f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) needs "
-                f"more KV slots than the pool holds ({self.cache.capacity})"
-            )
 
-
-def _prepare_batch(scheduled: list[ScheduledRequest], device: torch.device) -> ForwardBatch:
-    """The step's batch: each request's tokens to compute, a draft's tokens after them as a
-    verify chain (its rows are decode rows, each with logits)."""
-    return ForwardBatch.build(
-        new_tokens=[
-            s.req.all_ids[s.start : s.start + s.extend_len]
-            + list(s.draft.tokens if s.draft else [])
-            for s in scheduled
-        ],
-        prefix_slots=[s.req.slots for s in scheduled],
-        new_slots=[s.new_slots for s in scheduled],
-        device=device,
-        verify=[s.draft is not None for s in scheduled],
+def _row_free(req: Request) -> bool:
+    """Whether a request's next rows sample the same tokens whatever it kept before them."""
+    p = req.params
+    return (
+        p.greedy
+        and req.sampling.matcher is None
+        and p.repetition_penalty == 1.0
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
+        and len(req.output_ids) >= p.min_tokens
     )
-
-
-def _merge(deltas: list[StreamDelta]) -> list[StreamDelta]:
-    """One delta per sample per step: a verify step's tokens of one sample together, in order."""
-    merged: dict[tuple[str, int], StreamDelta] = {}
-    for d in deltas:
-        key = (d.request_id, d.index)
-        before = merged.get(key)
-        if before is not None:
-            d = dataclasses.replace(
-                d,
-                text=before.text + d.text,
-                token_ids=before.token_ids + d.token_ids,
-                logprobs=before.logprobs + d.logprobs,
-            )
-        merged[key] = d
-    return list(merged.values())

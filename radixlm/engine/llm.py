@@ -22,6 +22,7 @@ from radixlm.config import (
     ModelDType,
     Policy,
     SchedulerConfig,
+    Speculate,
 )
 from radixlm.engine.engine import Engine
 from radixlm.engine.request import request_output
@@ -45,6 +46,7 @@ class LLM:
         chunk_size: int = SchedulerConfig.chunk_size,
         max_batch_tokens: int = SchedulerConfig.max_batch_tokens,
         max_running_requests: int = SchedulerConfig.max_running_requests,
+        speculate: Speculate = SchedulerConfig.speculate,
     ) -> None:
         self.engine = Engine(
             ModelConfig(path=model, dtype=dtype, device=device, num_threads=num_threads),
@@ -54,6 +56,7 @@ class LLM:
                 max_batch_tokens=max_batch_tokens,
                 max_running_requests=max_running_requests,
                 policy=policy,
+                speculate=speculate,
             ),
         )
         self.tokenizer = self.engine.tokenizer

@@ -40,8 +40,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 
@@ -52,59 +50,10 @@ from radixlm.cache.tree_node import DEFAULT_RETENTION, KEEP, RAM_ONLY
 from radixlm.config import SchedulerConfig
 from radixlm.engine.request import Request, RequestState
 from radixlm.engine.speculate import Draft, Speculator
+from radixlm.engine.step_plan import SampleRow, ScheduledRequest, SchedulerOutput
 
 # SamplingParams.cache_retention -> what the tree stamps on the nodes a request inserts
 RETENTION = {None: DEFAULT_RETENTION, "in_memory": RAM_ONLY, "24h": KEEP}
-
-
-@dataclass(frozen=True)
-class ScheduledRequest:
-    """One request's share of a step: it computes all_ids[start : start + extend_len], and with
-    a draft the KV of the draft's tokens after them (verify rows)."""
-
-    req: Request
-    start: int  # req.computed_len when scheduled
-    extend_len: int
-    new_slots: np.ndarray  # one in-flight slot per computed token, then one per draft token
-    draft: Draft | None = None
-
-    @property
-    def is_decode(self) -> bool:
-        """A plain decode step: the KV of one output token (the engine's decode/prefill count;
-        a resumed request recomputing its outputs is a prefill)."""
-        return self.extend_len == 1 and self.start >= self.req.prompt_len
-
-    @property
-    def num_rows(self) -> int:
-        """Its logits rows: the last computed token's, then one per draft token."""
-        return 1 + (len(self.draft.tokens) if self.draft else 0)
-
-    @property
-    def new_tokens(self) -> list[int]:
-        """The token ids it puts through the forward pass: its own, then the draft's."""
-        ids = self.req.all_ids[self.start : self.start + self.extend_len]
-        return ids + list(self.draft.tokens) if self.draft else ids
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens it puts through the forward pass (the token budget's unit)."""
-        return self.extend_len + self.num_rows - 1
-
-
-class SampleRow(NamedTuple):
-    """A request whose next token is sampled from `row` of the step's logits; with a draft,
-    row + j samples the token after the draft's first j tokens."""
-
-    req: Request
-    row: int
-    draft: Draft | None = None
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    retracted: list[Request] = field(default_factory=list)
-    admitted: list[Request] = field(default_factory=list)  # admitted for the first time
 
 
 class Scheduler:
@@ -251,21 +200,28 @@ class Scheduler:
         if spec is None or not spec.enabled:
             return
         used = sum(item.num_tokens for item in out.scheduled)
-        room = min(self.config.max_batch_tokens, spec.max_rows) - used
+        room = min(min(self.config.max_batch_tokens, spec.max_rows) - used, self.cache.num_free)
+        if room <= 0:
+            return
+        where, proposals = [], []
         for i, item in enumerate(out.scheduled):
             req = item.req
-            if room <= 0:
-                break
             if item.extend_len != 1 or item.start == 0 or req.remaining_len != 1 or req.forks:
                 continue  # it samples no token this step, or its forks share its row
             left = req.params.max_tokens - len(req.output_ids) - 1  # the last token is sampled
-            draft = spec.propose(req, min(room, left, self.cache.num_free))
+            proposal = spec.propose(req, min(room, left))
+            if proposal is not None:
+                where.append(i)
+                proposals.append(proposal)
+        if not proposals:
+            return
+        for i, draft in zip(where, spec.choose(proposals, used, room), strict=True):
             if draft is None:
                 continue
+            item = out.scheduled[i]
             slots = self.cache.alloc(len(draft.tokens))  # free slots: nothing is evicted
             new_slots = np.concatenate([item.new_slots, slots])
-            out.scheduled[i] = ScheduledRequest(req, item.start, 1, new_slots, draft)
-            room -= len(draft.tokens)
+            out.scheduled[i] = ScheduledRequest(item.req, item.start, 1, new_slots, draft)
 
     def _match(self, req: Request) -> MatchResult | None:
         """The request's cached prefix, or None while a lower tier loads it (others keep

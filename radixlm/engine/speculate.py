@@ -15,10 +15,14 @@ the longest run the model agrees with, plus the model's own next token. Sources,
 A draft that was accepted is followed (its cursor) while the request keeps matching it, so a
 long copy continues from the same place rather than the latest place its last tokens occur.
 
-How many: each request keeps a decayed count of accepted and rejected draft tokens, and drafts
-the k that maximises expected tokens per step over its cost, (1 - a^(k+1)) / (1 - a) tokens for
-1 + ROW_COST k decode steps, a its acceptance rate; k = 0 (a plain decode) when no draft pays
-or there is nothing to copy, which costs a lookup and no row. Forced tokens are always drafted.
+How many: each request keeps a decayed count of accepted and rejected draft tokens, so draft
+token j is kept with probability about a^j (a its acceptance rate; forced tokens: 1). A step of
+n rows costs about 1 + r n (the weights streamed once, and r per row; `StepCost` fits r to the
+steps the engine times), so a draft row pays when it raises the step's expected tokens per unit
+of cost: `choose` adds rows across all the step's requests, likeliest first, while
+a^j (1 + r n) > r E (E: the step's expected tokens so far). A lone request copying well drafts
+many tokens; in a large batch, where rows are what a step costs, few; a request whose drafts
+fail, or with nothing to copy, none (a plain decode: a lookup, no row).
 
 Modes (SchedulerConfig.speculate): "off"; "tree" drafts on any backend; "auto" drafts where the
 backend gives verify rows a decode step's bits (exact_rows > 1), so greedy output stays
@@ -43,18 +47,23 @@ if TYPE_CHECKING:
 
 DraftSource = Literal["grammar", "prompt", "tree"]
 SOURCES: tuple[DraftSource, ...] = ("grammar", "prompt", "tree")
-# A draft row's cost in decode steps: a row adds its LM-head and attention work to a step that
-# streams the weights once (measured on the default model, 2-core EPYC: docs/engine.md).
-ROW_COST = 0.1
 MAX_DRAFT_LEN = 16  # the longest draft a request verifies in one step
 HIT_DECAY = 0.7  # weight of the past in the acceptance counts, per verify
-IDLE_DECAY = 0.9  # per step without a draft: the counts drift back toward the prior
+IDLE_DECAY = 0.9  # per step drafted nothing: the counts drift back toward the prior
 PRIOR_HITS, PRIOR_MISSES = 2.0, 1.0  # a first draft is worth trying: a = 2/3
 
 
 class Draft(NamedTuple):
     tokens: tuple[int, ...]
     source: DraftSource
+
+
+class Proposal(NamedTuple):
+    """The longest draft a request would verify now, and the chance each next token is kept."""
+
+    req: Request
+    draft: Draft
+    rate: float
 
 
 class Cursor(NamedTuple):
@@ -91,16 +100,44 @@ class DraftState:
             self.num_ids = n
         return self.ids[:n]
 
-    def draft_len(self, limit: int) -> int:
-        """The k that maximises expected tokens per unit of cost (0: no draft pays)."""
-        rate = (self.hits + PRIOR_HITS) / (self.hits + self.misses + PRIOR_HITS + PRIOR_MISSES)
-        best_k, best, expected = 0, 1.0, 1.0
-        for k in range(1, limit + 1):
-            expected += rate**k  # 1 + a + ... + a^k
-            value = expected / (1 + ROW_COST * k)
-            if value > best:
-                best_k, best = k, value
-        return best_k
+    @property
+    def rate(self) -> float:
+        """The chance that the next draft token is kept (decayed counts over a prior)."""
+        return (self.hits + PRIOR_HITS) / (self.hits + self.misses + PRIOR_HITS + PRIOR_MISSES)
+
+
+class StepCost:
+    """A decode step's time as fixed + per-row, t = a + b n, fitted by decayed least squares to
+    the steps the engine times; `row_cost` = b / a (r above), PRIOR_ROW_COST until the steps
+    seen vary enough in rows to tell."""
+
+    PRIOR_ROW_COST = 0.15  # the default model's quantized rows on a 2-core EPYC: docs/engine.md
+    DECAY = 0.98  # per observed step
+
+    def __init__(self, fixed: float | None = None) -> None:
+        self.fixed = fixed  # a row cost that never moves (tests, and hosts too noisy to fit)
+        self._w = self._n = self._t = self._nn = self._nt = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        d = self.DECAY
+        self._w, self._n, self._t = d * self._w + 1, d * self._n + rows, d * self._t + seconds
+        self._nn, self._nt = d * self._nn + rows * rows, d * self._nt + rows * seconds
+
+    @property
+    def row_cost(self) -> float:
+        if self.fixed is not None:
+            return self.fixed
+        if self._w < 8:
+            return self.PRIOR_ROW_COST
+        mean_n, mean_t = self._n / self._w, self._t / self._w
+        var = self._nn / self._w - mean_n * mean_n
+        if var < 1.0:  # every step had about as many rows: no slope to read
+            return self.PRIOR_ROW_COST
+        slope = (self._nt / self._w - mean_n * mean_t) / var
+        fixed = mean_t - slope * mean_n
+        if fixed <= 0 or slope <= 0:
+            return self.PRIOR_ROW_COST
+        return min(max(slope / fixed, 0.01), 1.0)
 
 
 class Speculator:
@@ -115,30 +152,61 @@ class Speculator:
         self.max_rows = exact_rows if exact_rows > 1 else UNBOUNDED
         self.drafted: Counter[DraftSource] = Counter()
         self.accepted: Counter[DraftSource] = Counter()
+        self.cost = StepCost()
 
-    def propose(self, req: Request, limit: int) -> Draft | None:
-        """At most `limit` tokens to verify after `req`'s last token, or None (a plain decode).
-        Reads the request and the tree; writes only req.speculation."""
+    def propose(self, req: Request, limit: int) -> Proposal | None:
+        """The longest draft (at most `limit` tokens) `req` would verify after its last token,
+        or None (a plain decode). Reads the request and the tree; writes only req.speculation."""
         if not self.enabled or limit <= 0:
             return None
         state = req.speculation
         if state is None:
             state = req.speculation = DraftState()
         ids = state.sync(req.all_ids)
+        k = min(limit, MAX_DRAFT_LEN)
         matcher = req.sampling.matcher
         if matcher is not None:
-            forced = matcher.forced_tokens()[: min(limit, MAX_DRAFT_LEN)]
+            forced = matcher.forced_tokens()[:k]
             if forced:
-                return Draft(tuple(forced), "grammar")
-        k = state.draft_len(min(limit, MAX_DRAFT_LEN))
-        if k == 0:
-            state.hits *= IDLE_DECAY
-            state.misses *= IDLE_DECAY
-            return None
+                return Proposal(req, Draft(tuple(forced), "grammar"), 1.0)
         draft = self._follow(state, ids, k, req) or self._find(state, ids, k, req)
         if draft is not None and matcher is not None:  # only what the grammar allows
             draft = Draft(draft.tokens[: matcher.valid_prefix_len(draft.tokens)], draft.source)
-        return draft if draft is not None and draft.tokens else None
+        if draft is None or not draft.tokens:
+            return None
+        return Proposal(req, draft, state.rate)
+
+    def choose(self, proposals: list[Proposal], rows: int, room: int) -> list[Draft | None]:
+        """Each proposal's draft cut to the rows that pay in a step of `rows` rows without
+        drafts (see the module docstring), at most `room` draft rows in all; None: no row.
+        A proposal that gets no row decays its request's counts toward the prior."""
+        r = self.cost.row_cost
+        n, expected = rows, float(rows)  # every row without a draft yields one token
+        lengths = [0] * len(proposals)
+        candidates = sorted(
+            (-(p.rate**j), j, i)
+            for i, p in enumerate(proposals)
+            for j in range(1, len(p.draft.tokens) + 1)
+        )  # likeliest first; a request's rows in order
+        for neg_p, j, i in candidates:
+            if n - rows >= room:
+                break
+            if j != lengths[i] + 1:
+                continue
+            if -neg_p * (1 + r * n) <= r * expected:
+                break  # no row left raises expected tokens per unit of cost
+            lengths[i], n, expected = j, n + 1, expected - neg_p
+        out: list[Draft | None] = []
+        for p, k in zip(proposals, lengths, strict=True):
+            if k == 0 and p.req.speculation is not None:
+                p.req.speculation.hits *= IDLE_DECAY
+                p.req.speculation.misses *= IDLE_DECAY
+            out.append(Draft(p.draft.tokens[:k], p.draft.source) if k else None)
+        return out
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A step of decode and verify rows only took `seconds` (the row-cost fit)."""
+        self.cost.observe(rows, seconds)
 
     def verified(self, req: Request, draft: Draft, accepted: int) -> None:
         """`accepted` of the draft's tokens were kept: update the request's acceptance."""
