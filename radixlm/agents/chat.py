@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixlm.agents.grammar import Constraint, GrammarCompiler
-from radixlm.agents.prompt import PromptRenderer, TurnMemo
+from radixlm.agents.prompt import PromptRenderer
 from radixlm.agents.tool_parser import ParseDelta, ToolCall, ToolCallParser, parse_tool_calls
 from radixlm.agents.tools import ToolChoice, ToolSpec, parse_tool_choice, parse_tools
+from radixlm.agents.turns import Turn, TurnMemo, turn_ids
 from radixlm.tokenizer import Tokenizer
 
 
@@ -94,16 +95,15 @@ class ChatAgents:
         token_ids: Sequence[int],
         content: str | None,
         calls: Sequence[ToolCall],
-    ) -> None:
-        """Record the ids behind a returned assistant message. Only ids that decode to exactly
-        the text the client got are kept (a stop string cuts text, not ids); a trailing
-        end-of-sequence id is dropped, since the template writes the turn's end itself."""
-        ids = list(token_ids)
-        if ids and ids[-1] in self.tokenizer.eos_token_ids:
-            ids.pop()
-        if not ids or self.tokenizer.decode(ids) != text:
-            return
-        self.memo.remember(namespace, content, [(c.name, c.arguments) for c in calls], ids)
+    ) -> Turn | None:
+        """Record the ids behind a returned assistant message, when they are exactly what the
+        client saw (`turns.turn_ids`); the turn, or None when nothing was recorded."""
+        ids = turn_ids(self.tokenizer, text, token_ids)
+        if ids is None:
+            return None
+        turn = Turn(content, tuple((c.name, c.arguments) for c in calls), ids)
+        self.memo.remember(namespace, turn.content, turn.calls, turn.ids)
+        return turn
 
     def _response_format(self, response_format: Mapping[str, Any]) -> Constraint | None:
         kind = response_format.get("type")

@@ -13,8 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-# OpenAI's rule for function names; it also keeps names safe inside the grammar's literals.
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# OpenAI's rule for function and message names, always matched whole (`fullmatch`: "$" would
+# let a trailing newline through); it also keeps names safe inside the grammar's literals.
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 ChoiceMode = Literal["none", "auto", "required", "named"]
 
@@ -99,7 +100,7 @@ def _parse_tool(where: str, entry: object) -> ToolSpec:
     if not isinstance(function, Mapping):
         raise ValueError(f"{where}.function must be an object")
     name = function.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not NAME.fullmatch(name):
         raise ValueError(f"{where}.function.name must be 1-64 characters of a-z, A-Z, 0-9, _ and -")
     description = function.get("description")
     if description is not None and not isinstance(description, str):
