@@ -176,6 +176,12 @@ def _sampling_params(
             param="max_tokens",
             code="context_length_exceeded",
         )
+    if constraint is not None and body.min_tokens > 0:
+        eos = frozenset() if body.ignore_eos else state.engine.tokenizer.eos_token_ids
+        try:
+            constraint.check_first_token(eos | frozenset(body.stop_token_ids or ()))
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="min_tokens") from exc
     try:
         return SamplingParams(
             max_tokens=max_tokens,

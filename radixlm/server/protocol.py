@@ -206,10 +206,12 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None  # assistant messages only
     tool_call_id: str | None = None  # tool messages only: the call this answers
     # What OpenAI's client sends back with an assistant message it received: accepted, unused
+    # (`parsed` is what the SDK's parse() adds to a message: the content, as an object)
     refusal: str | None = None
     annotations: list[Any] | None = None
     audio: None = None
     function_call: None = None
+    parsed: Any = None
 
     def check(self, where: str) -> None:
         """What a message's role demands of its fields (ParamError naming the field)."""
