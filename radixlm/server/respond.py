@@ -73,10 +73,12 @@ async def respond(
         raise APIError(status, failed.error or ABORTED)
     for result in results if outputs else ():
         assert outputs is not None
-        content, calls = outputs.message("".join(result.text), result.token_ids)
-        if calls:
-            result.content, result.tool_calls = content, [c.to_openai() for c in calls]
+        reply = outputs.message("".join(result.text), result.token_ids, result.finish_reason)
+        if reply.calls:
+            result.content, result.tool_calls = reply.content, [c.to_openai() for c in reply.calls]
             result.finish_reason = finish_reason(result.finish_reason, made_calls=True)
+        elif reply.content != "".join(result.text):  # none parsed: an unclosed call is text
+            result.text = [reply.content or ""]
     return JSONResponse(full_response(header, results, state.tenancy.reported(gen.usage)))
 
 
@@ -126,9 +128,9 @@ def _parse_chunk(outputs: ChatOutputs, chunk: ChoiceResult) -> None:
     piece = outputs.delta(chunk.index, chunk.text[0], chunk.token_ids)
     text, calls = piece.content, call_deltas(piece)
     if chunk.finish_reason is not None:
-        rest, made_calls = outputs.finish(chunk.index)
+        rest, reply = outputs.finish(chunk.index, chunk.finish_reason)
         text, calls = text + rest.content, calls + call_deltas(rest)
-        chunk.finish_reason = finish_reason(chunk.finish_reason, made_calls)
+        chunk.finish_reason = finish_reason(chunk.finish_reason, bool(reply.calls))
     chunk.text, chunk.tool_calls = [text], calls or None
 
 
