@@ -49,22 +49,12 @@ async def respond(
 ) -> Response:
     """Admit the prompts (a 503 when the queue is full, a 400 the engine refuses) and answer;
     `outputs` parses a chat's tool calls out of its text."""
-    gen = Generation(
-        state.engine, prompts, params, header.id, namespace, state.metrics, state.generations
-    )
-    try:
-        await _until_disconnected(request, gen.start)
-    except QueueFullError as exc:
-        retry = {"Retry-After": str(state.config.retry_after_s)}
-        raise APIError(503, f"The server is busy: {exc}", code="queue_full", headers=retry) from exc
-    except ValueError as exc:
-        raise APIError(400, str(exc), param=prompt_param) from exc
-    state.observatory.note(prompts, namespace)
+    gen = await admit(request, state, prompts, params, header.id, namespace, prompt_param)
     if body.stream:
         chunks = _stream(gen, header, body.include_usage, state.tenancy.reported, outputs)
         return StreamingResponse(chunks, media_type="text/event-stream")
     try:
-        results = await _until_disconnected(request, lambda: _collect(gen, len(prompts) * body.n))
+        results = await until_disconnected(request, lambda: _collect(gen, len(prompts) * body.n))
     finally:
         await gen.aclose()
     failed = next((r for r in results if r.finish_reason in ("abort", "error")), None)
@@ -80,6 +70,31 @@ async def respond(
         elif reply.content != "".join(result.text):  # none parsed: an unclosed call is text
             result.text = [reply.content or ""]
     return JSONResponse(full_response(header, results, state.tenancy.reported(gen.usage)))
+
+
+async def admit(
+    request: Request,
+    state: ServerState,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    request_id: str,
+    namespace: str | None,
+    prompt_param: str,
+) -> Generation:
+    """The engine admits the prompts (a 503 when its queue is full, a 400 for what it refuses)
+    and their generation starts; the prompts are noted for the salt index."""
+    gen = Generation(
+        state.engine, prompts, params, request_id, namespace, state.metrics, state.generations
+    )
+    try:
+        await until_disconnected(request, gen.start)
+    except QueueFullError as exc:
+        retry = {"Retry-After": str(state.config.retry_after_s)}
+        raise APIError(503, f"The server is busy: {exc}", code="queue_full", headers=retry) from exc
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=prompt_param) from exc
+    state.observatory.note(prompts, namespace)
+    return gen
 
 
 async def _collect(gen: Generation, num_choices: int) -> list[ChoiceResult]:
@@ -135,10 +150,14 @@ def _parse_chunk(outputs: ChatOutputs, chunk: ChoiceResult) -> None:
 
 
 def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {compact_json(obj)}\n\n"
 
 
-async def _until_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T:
+def compact_json(obj: object) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+async def until_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T:
     """Run `work`, cancelling it if the client disconnects first (then ClientDisconnected)."""
     task = asyncio.ensure_future(work())
     watcher = asyncio.ensure_future(_disconnect(request))
