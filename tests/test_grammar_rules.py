@@ -69,6 +69,16 @@ def test_forced_non_strict_arguments_are_closed(agents: ChatAgents) -> None:
     assert not _accepts(plan.constraint, _call("lookup", '{"b": true, "a": 1}'))  # reordered
 
 
+def test_a_non_strict_response_format_is_closed_too(agents: ChatAgents) -> None:
+    """instructor's JSON_SCHEMA mode sends its schema without additionalProperties."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    plan = agents.plan(None, None, None, fmt)
+    assert _accepts(plan.constraint, '{"a": 1}')
+    assert not _accepts(plan.constraint, '{"a": 1, "b": 2}')
+    assert _accepts(agents.plan(None, None, None, {"type": "json_object"}).constraint, '{"z": 1}')
+
+
 def test_under_auto_the_text_branch_is_the_response_format(agents: ChatAgents) -> None:
     plan = agents.plan([LOOSE], "auto", None, FORECAST)
     assert plan.parse_calls
@@ -133,6 +143,7 @@ def test_closed_schema_reaches_every_object_and_keeps_what_is_said() -> None:
     assert "additionalProperties" not in props["pattern"]
     assert "additionalProperties" not in props["list"]  # an array
     assert "additionalProperties" not in schema  # the input is left alone
+    assert closed_schema({"type": "object"}) == {"type": "object"}  # any object: stays open
 
 
 @pytest.mark.parametrize(

@@ -127,13 +127,14 @@ class GrammarCompiler:
     def json_schema(
         self, schema: Mapping[str, Any], strict: bool, name: str = "json_schema"
     ) -> Constraint:
-        """Any JSON the schema accepts. strict: unsupported keywords are errors (OpenAI's strict
-        guarantees the schema); otherwise they are ignored, a best-effort constraint."""
+        """Any JSON the schema accepts, its objects closed (`closed_schema`). strict: unsupported
+        keywords are errors (OpenAI's strict guarantees the schema); otherwise they are ignored,
+        a best-effort constraint."""
         check_ref_loops(schema, name)
         options = {**JSON_STYLE, "lenient": not strict}
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                dict(schema),
+                closed_schema(schema),
                 overrides=options,  # type: ignore[arg-type]
             )
         except ValueError as exc:
@@ -186,12 +187,11 @@ class GrammarCompiler:
         """Compile every tool's parameters schema alone, so a malformed one is a 400 naming its
         tool even when no grammar would use it."""
         for tool in tools:
-            schema = closed_schema(tool.parameters)
-            self.json_schema(schema, tool.strict, f"tool {tool.name!r} parameters")
+            self.json_schema(tool.parameters, tool.strict, f"tool {tool.name!r} parameters")
 
     def _format_rule(self, text_format: TextFormat) -> str:
         check_ref_loops(text_format.schema, text_format.name)
-        schema = {**text_format.schema, "x-guidance": _style(not text_format.strict)}
+        schema = {**closed_schema(text_format.schema), "x-guidance": _style(not text_format.strict)}
         return "%json " + json.dumps(schema)
 
     def _lark(self, lines: list[str], description: str) -> Constraint:

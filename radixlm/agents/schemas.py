@@ -1,11 +1,12 @@
 """JSON Schemas as the grammar takes them: tool arguments closed the way OpenAI's strict mode
 closes them, and references that can never produce a value refused before compiling.
 
-- `closed_schema`: every object schema that does not say otherwise gets
-  `additionalProperties: false`. A non-strict tool schema (LangChain's `bind_tools`, raw dict
-  tools, instructor's TOOLS mode) usually leaves it out, and JSON Schema then allows any other
-  key: a small model invents properties until max_tokens. Closed, the grammar writes only the
-  declared properties, each at most once, in the order declared.
+- `closed_schema`: every object schema that declares its properties and does not say otherwise
+  gets `additionalProperties: false`. A non-strict schema (LangChain's `bind_tools`, raw dict
+  tools, instructor's TOOLS and JSON_SCHEMA modes) usually leaves it out, and JSON Schema then
+  allows any other key: a small model invents properties until max_tokens. Closed, the grammar
+  writes only the declared properties, each at most once, in the order declared. Tool arguments
+  and response formats are closed alike.
 - `check_ref_loops`: a `$ref` whose chain of references comes back to itself before any
   schema without a `$ref` (`{"$defs": {"x": {"$ref": "#/$defs/x"}}}`) matches nothing; the grammar
   would allow no token at the point it is needed, a failure in the middle of an answer.
@@ -27,12 +28,12 @@ MAX_REF_HOPS = 256  # a longer chain of pure references is refused as if it loop
 
 
 def closed_schema(schema: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of `schema` in which every object schema without `additionalProperties` (and
-    without `patternProperties`, which already says which other keys are allowed) has it
-    false."""
+    """A copy of `schema` in which every object schema that declares `properties` but not
+    `additionalProperties` (nor `patternProperties`, which already says which other keys are
+    allowed) has it false. An object schema without properties (`{"type": "object"}`: any
+    object) stays open."""
     out = {key: _close_value(key, value) for key, value in schema.items()}
-    is_object = out.get("type") == "object" or "properties" in out
-    if is_object and "additionalProperties" not in out and "patternProperties" not in out:
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
         out["additionalProperties"] = False
     return out
 

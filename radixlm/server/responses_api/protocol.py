@@ -9,7 +9,7 @@ changing nothing: `metadata`, `user`, `safety_identifier`, `prompt_cache_key`, `
 `text.verbosity`, `stream_options.include_obfuscation`. `input`, `tools` and `tool_choice` are
 read by `items.py`, which names the item or tool it cannot take. Extensions, as the other
 routes name them: `cache_salt`, `seed`, `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
-`ignore_eos`.
+`ignore_eos`, `logit_bias`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from radixlm.server.protocol import ParamError, _Strict
+from radixlm.server.protocol import ParamError, _Strict, check_logit_bias
 
 NO_OP_INCLUDES = frozenset({"reasoning.encrypted_content"})
 
@@ -110,6 +110,12 @@ class ResponsesRequest(_Strict):
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = None  # token id (a string) -> bias, clamped to +-100
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        return check_logit_bias(bias)
 
     @field_validator("include")
     @classmethod

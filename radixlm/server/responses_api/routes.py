@@ -28,7 +28,7 @@ from radixlm.agents.tool_parser import ToolCall
 from radixlm.server.errors import APIError
 from radixlm.server.generation import Generation
 from radixlm.server.intake import check_model, parse_body, plan_chat
-from radixlm.server.protocol import ChatMessage
+from radixlm.server.protocol import ChatMessage, logit_bias_pairs
 from radixlm.server.respond import ABORTED, admit, until_disconnected
 from radixlm.server.responses_api.items import (
     ItemError,
@@ -237,5 +237,6 @@ def _fields(body: ResponsesRequest) -> SamplingFields:
         seed=body.seed,
         ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens,
+        logit_bias=logit_bias_pairs(body.logit_bias),
         cache_retention=body.cache_retention,
     )
