@@ -239,6 +239,29 @@ class Kernels:
             )  # fmt: skip
         return y
 
+    def quant_rows(
+        self, ids: torch.Tensor, weight: QuantWeight, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Rows `ids` of a quantized weight as `dtype` (float32 or bfloat16): an embedding
+        lookup, each value rounded as the gguf package dequantizes it."""
+        if dtype not in KV_DTYPES:
+            raise ValueError(f"quant_rows: {dtype} rows")
+        ids = ids.to(torch.int64)
+        out = torch.empty(ids.numel(), weight.in_features, dtype=dtype)
+        for part in weight.parts:
+            inside = (ids >= part.start) & (ids < part.start + part.out_features)
+            rows = (ids[inside] - part.start).contiguous()
+            got = torch.empty(rows.numel(), weight.in_features, dtype=dtype)
+            self._fn["quant_rows"](
+                w=part.records.data_ptr(), rows=rows.data_ptr(), num_rows=rows.numel(),
+                N=part.out_features, K=weight.in_features, fast=int(weight.mode == "fast"),
+                bits=part.bits, sub=part.sub, has_min=int(part.has_min),
+                kscale=int(part.kscale), out=got.data_ptr(),
+                out_bf16=int(dtype == torch.bfloat16),
+            )  # fmt: skip
+            out[inside] = got
+        return out
+
     def decode_layers(
         self,
         h: torch.Tensor,

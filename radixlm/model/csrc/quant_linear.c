@@ -121,6 +121,61 @@ int quantize_rows(const void *x, int64_t M, int64_t K, int32_t bf16, int32_t fas
     return 0;
 }
 
+/* Where layout.py puts column j's input k: the byte, and 4 for a high nibble. */
+static void position(int bits, int fast, int j, int k, int *byte, int *shift)
+{
+    *shift = 0;
+    if (fast) {
+        const int s = k / 4, pos = 4 * j + k % 4;
+        if (bits == 8) *byte = 32 * s + pos;
+        else *byte = 32 * (s / 2) + pos, *shift = 4 * (s % 2);
+        return;
+    }
+    const int s = k / 2, lane = 2 * j + k % 2;
+    if (bits == 8) {
+        *byte = 16 * s + lane;
+        return;
+    }
+    const int chunk = s / 4, u = s % 4, high_nibble = u / 2, unpack_high = u % 2;
+    int within;
+    if (!unpack_high) within = lane < 8 ? lane : lane + 8;
+    else within = lane < 8 ? lane + 8 : lane + 16;
+    *byte = 32 * chunk + within;
+    *shift = 4 * high_nibble;
+}
+
+/* A record's values as int16, [column][input] (the generic build's tiles). */
+__attribute__((unused)) static void unpack_record(const uint8_t *q, int bits, int fast,
+                                                  int16_t w[GROUP][BLOCK])
+{
+    for (int j = 0; j < GROUP; j++)
+        for (int k = 0; k < BLOCK; k++) {
+            int byte, shift;
+            position(bits, fast, j, k, &byte, &shift);
+            const uint8_t v = (uint8_t)(q[byte] >> shift);
+            w[j][k] = bits == 4 ? (int16_t)(v & 0x0F) : (int16_t)(int8_t)v;
+        }
+}
+
+/* A record's scales and mins as floats, [scale h][column] and [column] (mins 0 without). */
+static void scalar_scales(const uint8_t *s, int sub, int has_min, int kscale,
+                          float d[2][GROUP], float mn[GROUP])
+{
+    const uint16_t *halves = (const uint16_t *)s;
+    const int8_t *ints = (const int8_t *)(s + 16);
+    for (int j = 0; j < GROUP; j++) {
+        for (int h = 0; h < sub; h++)
+            d[h][j] = kscale ? half_to_float(halves[j]) * (float)ints[8 * h + j]
+                             : half_to_float(halves[8 * h + j]);
+        mn[j] = 0.0f;
+        if (has_min && kscale)
+            mn[j] = half_to_float(((const uint16_t *)(s + 16 + 8 * sub))[j]) *
+                    (float)((const int8_t *)(s + 32 + 8 * sub))[j];
+        else if (has_min)
+            mn[j] = half_to_float(halves[8 * sub + j]);
+    }
+}
+
 /* One tile's view of the activations: rows m0 .. m0 + rows of xq, and their per-block
    sx and sxb. */
 typedef struct {
@@ -264,58 +319,6 @@ ALWAYS_INLINE void run_tile(const uint8_t *wg, int64_t g, Rows a, const int rows
 
 #else /* generic: unpack each record to int16 and multiply in plain C */
 
-/* Where layout.py puts column j's input k: the byte, and 4 for a high nibble. */
-static void position(int bits, int fast, int j, int k, int *byte, int *shift)
-{
-    *shift = 0;
-    if (fast) {
-        const int s = k / 4, pos = 4 * j + k % 4;
-        if (bits == 8) *byte = 32 * s + pos;
-        else *byte = 32 * (s / 2) + pos, *shift = 4 * (s % 2);
-        return;
-    }
-    const int s = k / 2, lane = 2 * j + k % 2;
-    if (bits == 8) {
-        *byte = 16 * s + lane;
-        return;
-    }
-    const int chunk = s / 4, u = s % 4, high_nibble = u / 2, unpack_high = u % 2;
-    int within;
-    if (!unpack_high) within = lane < 8 ? lane : lane + 8;
-    else within = lane < 8 ? lane + 8 : lane + 16;
-    *byte = 32 * chunk + within;
-    *shift = 4 * high_nibble;
-}
-
-static void unpack_record(const uint8_t *q, int bits, int fast, int16_t w[GROUP][BLOCK])
-{
-    for (int j = 0; j < GROUP; j++)
-        for (int k = 0; k < BLOCK; k++) {
-            int byte, shift;
-            position(bits, fast, j, k, &byte, &shift);
-            const uint8_t v = (uint8_t)(q[byte] >> shift);
-            w[j][k] = bits == 4 ? (int16_t)(v & 0x0F) : (int16_t)(int8_t)v;
-        }
-}
-
-static void record_scales(const uint8_t *s, int sub, int has_min, int kscale,
-                          float d[2][GROUP], float mn[GROUP])
-{
-    const uint16_t *halves = (const uint16_t *)s;
-    const int8_t *ints = (const int8_t *)(s + 16);
-    for (int j = 0; j < GROUP; j++) {
-        for (int h = 0; h < sub; h++)
-            d[h][j] = kscale ? half_to_float(halves[j]) * (float)ints[8 * h + j]
-                             : half_to_float(halves[8 * h + j]);
-        mn[j] = 0.0f;
-        if (has_min && kscale)
-            mn[j] = half_to_float(((const uint16_t *)(s + 16 + 8 * sub))[j]) *
-                    (float)((const int8_t *)(s + 32 + 8 * sub))[j];
-        else if (has_min)
-            mn[j] = half_to_float(halves[8 * sub + j]);
-    }
-}
-
 static void run_tile(const uint8_t *wg, int64_t g, Rows a, int rows, int bits, int sub,
                      int has_min, int kscale, int fast, void *y, int64_t y_stride, int y_bf16)
 {
@@ -326,7 +329,7 @@ static void run_tile(const uint8_t *wg, int64_t g, Rows a, int rows, int bits, i
         int16_t wv[GROUP][BLOCK];
         unpack_record(record, bits, fast, wv);
         float d[2][GROUP], mn[GROUP];
-        record_scales(record + qbytes, sub, has_min, kscale, d, mn);
+        scalar_scales(record + qbytes, sub, has_min, kscale, d, mn);
         for (int r = 0; r < rows; r++) {
             const int64_t m = a.m0 + r, i = m * a.nb + b;
             for (int j = 0; j < GROUP; j++) {
@@ -394,7 +397,8 @@ int quant_matmul(const void *xq, const float *sx, const float *sxb, int64_t M, i
                  int32_t num_threads)
 {
     if (K % BLOCK || N % GROUP || (bits != 4 && bits != 8) || (sub != 1 && sub != 2)) return 1;
-    const int known = (bits == 4 && sub == 1 && has_min) || (bits == 8 && sub == 1 && !has_min && !kscale) ||
+    const int known = (bits == 4 && sub == 1 && has_min) ||
+                      (bits == 8 && sub == 1 && !has_min && !kscale) ||
                       (bits == 8 && sub == 1 && has_min && kscale) ||
                       (bits == 8 && sub == 2 && !has_min && kscale);
     if (!known) return 1;
@@ -408,6 +412,41 @@ int quant_matmul(const void *xq, const float *sx, const float *sxb, int64_t M, i
         for (int64_t g = 0; g < groups; g++)
             run_rows(w, g, a, m1, bits, sub, has_min != 0, kscale != 0, fast != 0, y, y_stride,
                      y_bf16);
+    }
+    return 0;
+}
+
+/* Rows of a quantized weight as floats (an embedding lookup): out[i] = W[rows[i]], each value
+   scale * q + min rounded after the multiply and after the add, as the gguf package
+   dequantizes (never a fused multiply-add: the float model the exact numerics are held to has
+   these values). out is float32, or bfloat16 when out_bf16. */
+int quant_rows(const uint8_t *w, const int64_t *rows, int64_t num_rows, int64_t N, int64_t K,
+               int32_t fast, int32_t bits, int32_t sub, int32_t has_min, int32_t kscale,
+               void *out, int32_t out_bf16)
+{
+    if (K % BLOCK || N % GROUP) return 1;
+    const int64_t nb = K / BLOCK, rec = record_bytes(bits, sub, has_min, kscale);
+    const int64_t qbytes = GROUP * BLOCK * bits / 8;
+    for (int64_t i = 0; i < num_rows; i++) {
+        if (rows[i] < 0 || rows[i] >= N) return 2;
+        const int64_t g = rows[i] / GROUP;
+        const int j = (int)(rows[i] % GROUP);
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *record = w + (g * nb + b) * rec;
+            float d[2][GROUP], mn[GROUP];
+            scalar_scales(record + qbytes, sub, has_min, kscale, d, mn);
+            for (int k = 0; k < BLOCK; k++) {
+                int byte, shift;
+                position(bits, fast, j, k, &byte, &shift);
+                const uint8_t raw = (uint8_t)(record[byte] >> shift);
+                const int q = bits == 4 ? raw & 0x0F : (int8_t)raw;
+                volatile float scaled = (float)q * d[sub == 2 ? k / 16 : 0][j]; /* no fma */
+                const float v = has_min ? scaled + mn[j] : scaled;
+                const int64_t at = i * K + b * BLOCK + k;
+                if (out_bf16) ((uint16_t *)out)[at] = float_to_bf16(v);
+                else ((float *)out)[at] = v;
+            }
+        }
     }
     return 0;
 }
