@@ -92,6 +92,22 @@ def test_kernel_equals_its_reference(isa: str, mode: str, qtype: T) -> None:
     )
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_embedding_rows_are_the_dequantized_rows(isa: str, mode: str, qtype: T) -> None:
+    """quant_rows (an embedding lookup in C) gives exactly the rows the gguf package
+    dequantizes, in float32, and those rows rounded to bfloat16."""
+    kernels = require_native_kernels(isa)
+    weight = QuantWeight(256, mode)
+    weight.add(decode(random_blocks(qtype, 24, 256, seed=8), qtype, (24, 256)), 0)
+    weight.add(decode(random_blocks(T.Q8_0, 8, 256, seed=9), T.Q8_0, (8, 256)), 24)
+    ids = torch.tensor([31, 0, 7, 24, 7, 13])
+    expected = weight.dequantize_rows(ids)
+    assert torch.equal(kernels.quant_rows(ids, weight, torch.float32), expected)
+    assert torch.equal(kernels.quant_rows(ids, weight, torch.bfloat16), expected.bfloat16())
+
+
 def test_kernel_refuses_what_does_not_fit() -> None:
     kernels = require_native_kernels()
     weight = QuantWeight(64, "exact")

@@ -221,22 +221,46 @@ class Kernels:
         fast = int(weight.mode == "fast")
         xq = torch.empty(num_rows, k, dtype=torch.int8 if fast else torch.int16)
         sx = torch.empty(num_rows, k // 32, dtype=torch.float32)
-        bsum = torch.empty(num_rows, k // 32, dtype=torch.int32)
+        sxb = torch.empty(num_rows, k // 32, dtype=torch.float32)
         bf16, threads = int(x.dtype == torch.bfloat16), torch.get_num_threads()
         self._fn["quantize_rows"](
             x=x.data_ptr(), M=num_rows, K=k, bf16=bf16, fast=fast, xq=xq.data_ptr(),
-            sx=sx.data_ptr(), bsum=bsum.data_ptr(), num_threads=threads,
+            sx=sx.data_ptr(), sxb=sxb.data_ptr(), num_threads=threads,
         )  # fmt: skip
         n = weight.out_features
         y = x.new_empty(num_rows, n)
         for part in weight.parts:
             self._fn["quant_matmul"](
-                xq=xq.data_ptr(), sx=sx.data_ptr(), bsum=bsum.data_ptr(), M=num_rows, K=k,
+                xq=xq.data_ptr(), sx=sx.data_ptr(), sxb=sxb.data_ptr(), M=num_rows, K=k,
                 fast=fast, w=part.records.data_ptr(), N=part.out_features, bits=part.bits,
-                sub=part.sub, has_min=int(part.has_min), y=y[:, part.start :].data_ptr(),
+                sub=part.sub, has_min=int(part.has_min), kscale=int(part.kscale),
+                y=y[:, part.start :].data_ptr(),
                 y_stride=n, y_bf16=bf16, num_threads=threads,
             )  # fmt: skip
         return y
+
+    def quant_rows(
+        self, ids: torch.Tensor, weight: QuantWeight, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Rows `ids` of a quantized weight as `dtype` (float32 or bfloat16): an embedding
+        lookup, each value rounded as the gguf package dequantizes it."""
+        if dtype not in KV_DTYPES:
+            raise ValueError(f"quant_rows: {dtype} rows")
+        ids = ids.to(torch.int64)
+        out = torch.empty(ids.numel(), weight.in_features, dtype=dtype)
+        for part in weight.parts:
+            inside = (ids >= part.start) & (ids < part.start + part.out_features)
+            rows = (ids[inside] - part.start).contiguous()
+            got = torch.empty(rows.numel(), weight.in_features, dtype=dtype)
+            self._fn["quant_rows"](
+                w=part.records.data_ptr(), rows=rows.data_ptr(), num_rows=rows.numel(),
+                N=part.out_features, K=weight.in_features, fast=int(weight.mode == "fast"),
+                bits=part.bits, sub=part.sub, has_min=int(part.has_min),
+                kscale=int(part.kscale), out=got.data_ptr(),
+                out_bf16=int(dtype == torch.bfloat16),
+            )  # fmt: skip
+            out[inside] = got
+        return out
 
     def decode_layers(
         self,

@@ -36,12 +36,13 @@ class QuantPart:
     bits: int
     sub: int
     has_min: bool
+    kscale: bool  # scales in the K types' factored form (layout.py)
     source: str  # the GGUF type
 
     def dequantize_rows(self, rows: np.ndarray, mode: str) -> torch.Tensor:
         """Float32 rows (outputs) of this part's weight, (R, K)."""
         q, scales, mins = layout.unpack_rows(
-            self.records.numpy(), rows, self.bits, self.sub, self.has_min, mode
+            self.records.numpy(), rows, self.bits, self.sub, self.has_min, self.kscale, mode
         )
         num_rows, k = q.shape
         w = q.astype(np.float32).reshape(num_rows, k // 32, self.sub, 32 // self.sub)
@@ -80,8 +81,9 @@ class QuantWeight:
             raise ValueError(f"a part of {cols} inputs in a weight of {self.in_features}")
         records = torch.from_numpy(layout.pack(blocks, self.mode))
         part = QuantPart(
-            records, rows, start, blocks.bits, blocks.sub, blocks.mins is not None, blocks.source
-        )
+            records, rows, start, blocks.bits, blocks.sub, blocks.mins is not None,
+            blocks.factors is not None, blocks.source,
+        )  # fmt: skip
         self.parts.append(part)
         self.parts.sort(key=lambda p: p.start)
 
