@@ -3,13 +3,13 @@
 The reason is decided in this order, first fit wins:
 
     hit                      the whole prompt but its last token was cached: nothing to explain
+    reformatted_turn         the match ends inside an assistant message that came back
+                             reformatted: the same JSON value (tool arguments) in other
+                             spacing or key order, the tree holding the turn as generated
     salt                     another cache_salt holds these very tokens past the segment
                              where this prompt's match ended
     evicted                  the tree had the next tokens and evicted them (when: evicted_at)
     new_content              the tree holds nothing after the match: the prompt just goes on
-    reformatted_turn         the match ends inside an assistant message that came back
-                             reformatted: the same JSON value (tool arguments) in other
-                             spacing or key order
     different_previous_turn  the match ends inside an assistant message: the client sent back
                              an earlier turn differently from what was generated
     volatile                 a run of digits / date / time / UUID / hex id differs, and the text
@@ -36,10 +36,10 @@ from radixlm.observatory.segments import Segment, SegmentMap
 
 REASONS = (
     "hit",
+    "reformatted_turn",
     "salt",
     "evicted",
     "new_content",
-    "reformatted_turn",
     "different_previous_turn",
     "volatile",
     "reordered",
@@ -134,16 +134,18 @@ def _reason(
     cached = probe.cached_len
     if cached >= prompt_len - 1:  # the last token is always computed
         return "hit", 0
+    lost = min(len(probe.continuation), prompt_len - 1 - cached)
+    turn = segment if segment is not None and segment.role == "assistant" else None
+    if turn is not None and tree is not None and _reformatted(prefix[turn.start :], rest, tree):
+        # this namespace holds the turn as generated: whoever else holds more, this is why
+        return "reformatted_turn", lost
     if salted:
         return "salt", probe.other_namespace_len - cached
     if probe.evicted is not None:
         return "evicted", probe.evicted.num_tokens
     if tree is None:
         return "new_content", 0
-    lost = min(len(probe.continuation), prompt_len - 1 - cached)
-    if segment is not None and segment.role == "assistant":
-        if _reformatted(prefix[segment.start :], rest, tree):
-            return "reformatted_turn", lost
+    if turn is not None:
         return "different_previous_turn", lost
     if _volatile(prefix, rest, tree):
         return "volatile", lost
