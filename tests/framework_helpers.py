@@ -71,11 +71,13 @@ class StepRecorder:
                 status = message["status"]
             elif message["type"] == "http.response.body":
                 answer.append(message.get("body", b""))
+                if not message.get("more_body", False):  # recorded before the client has it all
+                    request = json.loads(b"".join(body) or b"{}")
+                    usage = _usage(b"".join(answer))
+                    self._steps.append(Step(scope["path"], request, status, *usage))
             await send(message)
 
         await self.app(scope, receiving, sending)
-        request = json.loads(b"".join(body) or b"{}")
-        self._steps.append(Step(scope["path"], request, status, *_usage(b"".join(answer))))
 
 
 @contextmanager

@@ -21,7 +21,7 @@ KEYS = ("key-a", "key-b")
 
 def _stored(response_id: str, text: str = "x") -> StoredResponse:
     conversation = ({"role": "user", "content": text},)
-    return StoredResponse(response_id, conversation, (Turn(text, (), (1, 2)),), {}, ())
+    return StoredResponse(response_id, conversation, (Turn(text, (), (1, 2)),), {})
 
 
 def test_each_namespace_keeps_its_own_and_at_most_its_share() -> None:

@@ -14,8 +14,10 @@ chain on, `cached_tokens` is everything the previous one computed.
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -23,8 +25,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from radixlm.agents.chat import ChatOutputs, Reply
-from radixlm.agents.prompt import Prompt
 from radixlm.agents.tool_parser import ToolCall
+from radixlm.agents.turns import Turn
 from radixlm.server.errors import APIError
 from radixlm.server.generation import Generation
 from radixlm.server.intake import check_model, parse_body, plan_chat
@@ -62,36 +64,29 @@ def responses_router(state: ServerState) -> APIRouter:
             raise APIError(400, str(exc), param=exc.param) from exc
         plan = await plan_chat(state.agents, tools, tool_choice, body.parallel_tool_calls,
                                body.response_format, format_param="text.format")  # fmt: skip
-        history = list(previous.conversation) if previous is not None else []
-        instructions = [] if body.instructions is None else [
-            {"role": "system", "content": body.instructions}]  # fmt: skip
-        known = previous.turns if previous is not None else ()
-        rendered: list[Prompt] = []
+        pending = _Pending(
+            new_id("resp"), namespace, body.store,
+            list(previous.conversation) if previous is not None else [], new_input,
+            previous.turns if previous is not None else (),
+        )  # fmt: skip
 
         def render(template: list[dict[str, Any]]) -> list[int]:
-            prompt = state.agents.renderer.prompt(template, plan.tools, namespace, known)
-            rendered.append(prompt)
+            prompt = state.agents.renderer.prompt(template, plan.tools, namespace, pending.known)
+            pending.prompt_turns = prompt.turns
             return prompt.ids
 
-        messages = _chat_messages([*instructions, *history, *new_input])
+        instructions = [] if body.instructions is None else [
+            {"role": "system", "content": body.instructions}]  # fmt: skip
+        messages = _chat_messages([*instructions, *pending.history, *new_input])
         prompt = await state.admission.chat_ids(messages, render)
         params = sampling_params(
             state, _fields(body), len(prompt), "input", plan.constraint, "max_output_tokens"
         )
-        header = ResponseHeader(new_id("resp"), int(time.time()), state.model_name, body,
+        header = ResponseHeader(pending.id, int(time.time()), state.model_name, body,
                                 response_tools(tools))  # fmt: skip
         gen = await admit(request, state, [prompt], params, header.id, namespace, "input")
         outputs = ChatOutputs(state.agents, plan, namespace)
-
-        def keep(reply: Reply, response: dict[str, Any]) -> None:
-            if body.store:
-                turns = (*rendered[-1].turns, *([reply.turn] if reply.turn else []))
-                conversation = (*history, *new_input, _assistant_message(reply))
-                items = [{"type": "message", "role": "user", "content": body.input}] if isinstance(
-                    body.input, str) else body.input  # fmt: skip
-                stored = StoredResponse(header.id, conversation, turns, response, tuple(items))
-                state.responses.put(namespace, stored)
-
+        keep = functools.partial(_keep, state, pending)
         if body.stream:
             return StreamingResponse(
                 _stream(state, gen, header, outputs, keep), media_type="text/event-stream"
@@ -117,13 +112,40 @@ def responses_router(state: ServerState) -> APIRouter:
 
 
 # ---- helpers --------------------------------------------------------------------------------
+Keep = Callable[[Reply, dict[str, Any]], None]  # a finished response, to store (or not)
+
+
+@dataclass
+class _Pending:
+    """What a response is stored as once its output is known: the conversation it continues
+    and its new input, and the turns whose generated ids its prompt holds."""
+
+    id: str
+    namespace: str | None
+    store: bool
+    history: list[dict[str, Any]]  # the stored conversation it continues
+    new_input: list[dict[str, Any]]
+    known: tuple[Turn, ...]  # the continued conversation's turns, to splice in
+    prompt_turns: tuple[Turn, ...] = ()  # the turns the rendered prompt spliced in
+
+
+def _keep(state: ServerState, pending: _Pending, reply: Reply, response: dict[str, Any]) -> None:
+    """Store a finished response (when asked): its conversation ends with its own output."""
+    if not pending.store:
+        return
+    conversation = (*pending.history, *pending.new_input, _assistant_message(reply))
+    turns = (*pending.prompt_turns, *([reply.turn] if reply.turn else []))
+    stored = StoredResponse(pending.id, conversation, turns, response)
+    state.responses.put(pending.namespace, stored)
+
+
 async def _whole(
     request: Request,
     state: ServerState,
     gen: Generation,
     header: ResponseHeader,
     outputs: ChatOutputs,
-    keep: Any,
+    keep: Keep,
 ) -> Response:
     text: list[str] = []
     ids: list[int] = []
@@ -156,7 +178,7 @@ async def _stream(
     gen: Generation,
     header: ResponseHeader,
     outputs: ChatOutputs,
-    keep: Any,
+    keep: Keep,
 ) -> AsyncIterator[str]:
     events = ResponseEvents(header)
     try:
@@ -187,7 +209,9 @@ async def _stream(
         await gen.aclose()
 
 
-def _previous(state: ServerState, namespace: str | None, response_id: str | None) -> Any:
+def _previous(
+    state: ServerState, namespace: str | None, response_id: str | None
+) -> StoredResponse | None:
     if response_id is None:
         return None
     stored = state.responses.get(namespace, response_id)

@@ -35,12 +35,11 @@ class StoredResponse:
     conversation: tuple[dict[str, Any], ...]  # OpenAI chat messages, the output's last
     turns: tuple[Turn, ...]  # generated ids of the conversation's assistant turns
     response: dict[str, Any]  # the response object, as it was answered
-    input_items: tuple[dict[str, Any], ...]  # this request's input, as items
 
     @functools.cached_property
     def num_bytes(self) -> int:
         """What holding it costs, about: its text as JSON and 8 bytes per token id."""
-        text = json.dumps([self.conversation, self.response, self.input_items], default=str)
+        text = json.dumps([self.conversation, self.response], default=str)
         return len(text) + 8 * sum(len(t.ids) for t in self.turns) + 256
 
 
