@@ -59,6 +59,7 @@ class StepRecorder:
         body: list[bytes] = []
         answer: list[bytes] = []
         status = 0
+        recorded = False
 
         async def receiving() -> Message:
             message = await receive()
@@ -66,15 +67,18 @@ class StepRecorder:
             return message
 
         async def sending(message: Message) -> None:
-            nonlocal status
+            nonlocal status, recorded
             if message["type"] == "http.response.start":
                 status = message["status"]
-            elif message["type"] == "http.response.body":
+            elif message["type"] == "http.response.body" and not recorded:
                 answer.append(message.get("body", b""))
-                if not message.get("more_body", False):  # recorded before the client has it all
+                whole = b"".join(answer)
+                # recorded before the client has its last byte: a stream's client stops reading
+                # at its terminal event, before the empty chunk that closes the body
+                if not message.get("more_body", False) or _ends_stream(whole):
                     request = json.loads(b"".join(body) or b"{}")
-                    usage = _usage(b"".join(answer))
-                    self._steps.append(Step(scope["path"], request, status, *usage))
+                    self._steps.append(Step(scope["path"], request, status, *_usage(whole)))
+                    recorded = True
             await send(message)
 
         await self.app(scope, receiving, sending)
@@ -107,6 +111,16 @@ def check_cached_steps(steps: list[Step], min_steps: int = 2) -> None:
 def check_idle(server: LiveServer) -> None:
     cache = server.wait_idle()
     assert cache["idle"] and cache["accounting_ok"] and cache["integrity"] == "ok", cache
+
+
+def _ends_stream(answer: bytes) -> bool:
+    """Whether a stream's terminal event is in `answer` (Chat Completions' [DONE], or a
+    Responses event that ends the response)."""
+    tail = answer[-65536:]
+    return tail.endswith(b"data: [DONE]\n\n") or any(
+        b"event: response." + end + b"\n" in tail
+        for end in (b"completed", b"incomplete", b"failed")
+    )
 
 
 def _usage(answer: bytes) -> tuple[int | None, int | None, int | None]:
