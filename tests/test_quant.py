@@ -18,7 +18,16 @@ from radixlm.bench.random_gguf import SHAPES, random_tensor, write
 from radixlm.cache.kv_pool import KVPool
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.loader import load_causal_lm
-from radixlm.model.quant import MODES, QUANT_TYPES, QuantWeight, decode, quantize_q8_0, reference
+from radixlm.model.quant import (
+    MODES,
+    QUANT_TYPES,
+    FileBlocks,
+    QuantWeight,
+    decode,
+    layout,
+    quantize_q8_0,
+    reference,
+)  # fmt: skip
 from radixlm.model.transformer import CausalLM, Linear
 
 T = gguf.GGMLQuantizationType
@@ -229,3 +238,18 @@ def test_random_gguf_writes_every_mix(tmp_path: Path) -> None:
         model = load_causal_lm(path)
         qkv = model.model.layers[1].self_attn.qkv_proj.quant
         assert qkv is not None and qkv.parts[0].source == kind.removesuffix("_M")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_c_repacker_writes_the_records_numpy_packs(isa: str, mode: str, qtype: T) -> None:
+    """A file's blocks repacked in one C pass (with a row order, as llama's q/k rows are) are
+    byte for byte the records the numpy path decodes and packs."""
+    kernels = require_native_kernels(isa)
+    raw = random_blocks(qtype, 32, 512, seed=12)
+    order = np.random.default_rng(13).permutation(32)
+    for row_order in (None, order):
+        blocks = FileBlocks(raw.view(np.uint8), qtype, (32, 512), row_order)
+        expected = layout.pack(blocks.decode(), mode)
+        assert np.array_equal(kernels.repack_blocks(blocks, mode).numpy(), expected)

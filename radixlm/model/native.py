@@ -36,10 +36,11 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from radixlm.model import native_build
-from radixlm.model.native_abi import NativeFunction, bind
+from radixlm.model.native_abi import NativeError, NativeFunction, bind
 from radixlm.model.native_layout import (
     KV_DTYPES,
     DecodeLayout,
@@ -66,7 +67,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from radixlm.model.quant import QuantWeight
+    from radixlm.model.quant import FileBlocks, QuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +239,31 @@ class Kernels:
                 y_stride=n, y_bf16=bf16, num_threads=threads,
             )  # fmt: skip
         return y
+
+    def repack_blocks(self, blocks: FileBlocks, mode: str) -> torch.Tensor:
+        """A file's blocks as records for `mode` (quant/layout.py's, made in one C pass):
+        (rows/8, cols/32, record bytes) uint8. Raises ValueError where the kernels cannot hold
+        them (a shape off the record grid, a Q4_0 scale whose -8 d is not a half)."""
+        from radixlm.model.quant import layout, record_format
+
+        rows, cols = blocks.shape
+        bits, sub, has_min, kscale = record_format(blocks.qtype)
+        size = layout.record_bytes(bits, sub, has_min, kscale)
+        out = torch.empty(rows // 8, cols // 32, size, dtype=torch.uint8)
+        raw = np.ascontiguousarray(blocks.raw)  # the file's mapping: read in place
+        order = None
+        if blocks.row_order is not None:
+            order = np.ascontiguousarray(blocks.row_order, dtype=np.int64)
+        try:
+            self._fn["repack_blocks"](
+                raw=raw.ctypes.data, qtype=int(blocks.qtype), rows=rows, cols=cols,
+                row_order=None if order is None else order.ctypes.data,
+                fast=int(mode == "fast"), records=out.data_ptr(),
+                num_threads=torch.get_num_threads(),
+            )  # fmt: skip
+        except NativeError as e:
+            raise ValueError(f"{blocks.qtype.name} blocks of shape {blocks.shape}: {e}") from e
+        return out
 
     def quant_rows(
         self, ids: torch.Tensor, weight: QuantWeight, dtype: torch.dtype

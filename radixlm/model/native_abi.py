@@ -64,6 +64,10 @@ SIGNATURES: dict[str, tuple[tuple[str, Any], ...]] = {
         ("N", I64), ("bits", I32), ("sub", I32), ("has_min", I32), ("kscale", I32), ("y", P),
         ("y_stride", I64), ("y_bf16", I32), ("num_threads", I32),
     ),
+    "repack_blocks": (
+        ("raw", P), ("qtype", I32), ("rows", I64), ("cols", I64), ("row_order", P),
+        ("fast", I32), ("records", P), ("num_threads", I32),
+    ),
     "quant_rows": (
         ("w", P), ("rows", P), ("num_rows", I64), ("N", I64), ("K", I64), ("fast", I32),
         ("bits", I32), ("sub", I32), ("has_min", I32), ("kscale", I32), ("out", P),

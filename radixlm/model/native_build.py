@@ -51,10 +51,13 @@ SOURCES = [
         "skinny_linear.c",
         "decode_step.c",
         "quant_linear.c",
+        "quant_repack.c",
     )
 ]
 # included by the sources
-HEADERS = [CSRC / h for h in ("simd.h", "flash_tile.h", "decode_task.h", "bf16.h")]
+HEADERS = [
+    CSRC / h for h in ("simd.h", "flash_tile.h", "decode_task.h", "bf16.h", "quant_record.h")
+]
 COMMON_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC")
 # The link drops -ffast-math: with it, gcc links crtfastmath.o, whose constructor sets
 # flush-to-zero and denormals-are-zero in the MXCSR of the thread that loads the library (and of

@@ -37,10 +37,9 @@
 #include <omp.h>
 
 #include "bf16.h"
+#include "quant_record.h"
 #include "simd.h"
 
-#define GROUP 8
-#define BLOCK 32
 #if defined(__AVX512F__)
 #define ROW_TILE 8 /* rows per pass over a group's records: their accumulators in registers */
 #else
@@ -48,42 +47,6 @@
 #endif
 #define SLAB_ROWS 64 /* rows whose quantized activations stay in L2 across the groups */
 #define AHEAD 2048   /* bytes of the weight stream requested ahead of use */
-
-static int64_t scale_bytes(int sub, int has_min, int kscale)
-{
-    if (kscale) return 16 + 8 * sub + (has_min ? 24 : 0);
-    return 16 * sub + (has_min ? 16 : 0);
-}
-
-static int64_t record_bytes(int bits, int sub, int has_min, int kscale)
-{
-    return GROUP * BLOCK * bits / 8 + scale_bytes(sub, has_min, kscale);
-}
-
-/* IEEE half -> float32 (finite values and zeros; GGUF scales are never inf or NaN). */
-static inline float half_to_float(uint16_t h)
-{
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-    uint32_t bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal: normalize */
-            int e = -1;
-            uint32_t m = man;
-            do {
-                e++;
-                m <<= 1;
-            } while ((m & 0x400) == 0);
-            bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3FF) << 13);
-        }
-    } else {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* ---- activations ------------------------------------------------------------------------ */
 
@@ -119,29 +82,6 @@ int quantize_rows(const void *x, int64_t M, int64_t K, int32_t bf16, int32_t fas
         sxb[i] = sx[i] * (float)sum;
     }
     return 0;
-}
-
-/* Where layout.py puts column j's input k: the byte, and 4 for a high nibble. */
-static void position(int bits, int fast, int j, int k, int *byte, int *shift)
-{
-    *shift = 0;
-    if (fast) {
-        const int s = k / 4, pos = 4 * j + k % 4;
-        if (bits == 8) *byte = 32 * s + pos;
-        else *byte = 32 * (s / 2) + pos, *shift = 4 * (s % 2);
-        return;
-    }
-    const int s = k / 2, lane = 2 * j + k % 2;
-    if (bits == 8) {
-        *byte = 16 * s + lane;
-        return;
-    }
-    const int chunk = s / 4, u = s % 4, high_nibble = u / 2, unpack_high = u % 2;
-    int within;
-    if (!unpack_high) within = lane < 8 ? lane : lane + 8;
-    else within = lane < 8 ? lane + 8 : lane + 16;
-    *byte = 32 * chunk + within;
-    *shift = 4 * high_nibble;
 }
 
 /* A record's values as int16, [column][input] (the generic build's tiles). */

@@ -78,6 +78,30 @@ class Blocks:
         return w.reshape(rows, cols)
 
 
+@dataclass(frozen=True)
+class FileBlocks:
+    """A tensor's blocks as the file stores them, not decoded yet: csrc/quant_repack.c turns
+    them into records in one pass; `decode` gives the Blocks the Python path packs."""
+
+    raw: np.ndarray  # uint8, the tensor's bytes: rows of blocks
+    qtype: gguf.GGMLQuantizationType
+    shape: tuple[int, int]  # (rows, cols)
+    row_order: np.ndarray | None = None  # the file row of each output row (None: the same)
+
+    def decode(self) -> Blocks:
+        blocks = decode(self.raw, self.qtype, self.shape)
+        return blocks if self.row_order is None else blocks.take_rows(self.row_order)
+
+
+def record_format(qtype: gguf.GGMLQuantizationType) -> tuple[int, int, bool, bool]:
+    """(bits, sub, has_min, kscale): how the kernels store a type (the table above)."""
+    if qtype.name not in QUANT_TYPES:
+        raise ValueError(f"{qtype.name} is not a type the quantized kernels run")
+    bits = 4 if qtype in (T.Q4_0, T.Q4_1, T.Q4_K) else 8
+    kscale = qtype in (T.Q4_K, T.Q5_K, T.Q6_K)
+    return bits, 2 if qtype == T.Q6_K else 1, qtype not in (T.Q8_0, T.Q6_K), kscale
+
+
 def decode(raw: np.ndarray, qtype: gguf.GGMLQuantizationType, shape: tuple[int, int]) -> Blocks:
     """raw: the tensor's bytes as the file holds them, rows of blocks; shape (rows, cols)."""
     rows, cols = shape
