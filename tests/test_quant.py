@@ -45,7 +45,7 @@ def test_blocks_decode_to_what_gguf_dequantizes(qtype: T) -> None:
     blocks = decode(raw, qtype, (16, 512))
     expected = gguf.quants.dequantize(raw, qtype).reshape(16, 512)
     assert np.array_equal(blocks.dequantize(), expected)
-    assert blocks.bits == (4 if qtype in (T.Q4_0, T.Q4_1, T.Q4_K) else 8)
+    assert blocks.bits == {T.Q8_0: 8, T.Q5_K: 5, T.Q6_K: 6}.get(qtype, 4)
 
 
 @pytest.mark.parametrize("mode", MODES)
