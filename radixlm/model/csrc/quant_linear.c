@@ -29,7 +29,8 @@
    registers, the group's records in L1 for every tile); prefill-sized M goes in slabs of rows
    whose activations stay in L2 while the threads share out the groups. The avx512 build runs
    the 256-bit code with its 32 registers (a longer row tile) and the VNNI forms where the CPU
-   has them; the generic build unpacks a record and multiplies in plain C. */
+   has them: on a CPU that runs 512-bit vectors as two halves (Zen 4), zmm would add only
+   shuffles (docs/kernels.md). The generic build unpacks a record and multiplies in plain C. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -155,7 +156,8 @@ ALWAYS_INLINE void record_scales(const uint8_t *s, const int sub, const int has_
     if (kscale) {
         const __m256 super = load_halves(s);
         for (int h = 0; h < sub; h++) d[h] = _mm256_mul_ps(super, load_int8s(s + 16 + 8 * h));
-        if (has_min) *mn = _mm256_mul_ps(load_halves(s + 16 + 8 * sub), load_int8s(s + 32 + 8 * sub));
+        if (has_min)
+            *mn = _mm256_mul_ps(load_halves(s + 16 + 8 * sub), load_int8s(s + 32 + 8 * sub));
     } else {
         for (int h = 0; h < sub; h++) d[h] = load_halves(s + 16 * h);
         if (has_min) *mn = load_halves(s + 16 * sub);
@@ -195,8 +197,9 @@ ALWAYS_INLINE void record_dots(__m256i *dot, const uint8_t *q, const char *x, in
             /* int16 lanes: zero-extended, or sign-extended where 6-bit values were made signed */
             const __m256i lo_ext = bits == 6 ? _mm256_cmpgt_epi8(zero, lo) : zero;
             const __m256i hi_ext = bits == 6 ? _mm256_cmpgt_epi8(zero, hi) : zero;
-            const __m256i w[4] = {_mm256_unpacklo_epi8(lo, lo_ext), _mm256_unpackhi_epi8(lo, lo_ext),
-                                  _mm256_unpacklo_epi8(hi, hi_ext), _mm256_unpackhi_epi8(hi, hi_ext)};
+            const __m256i w[4] = {
+                _mm256_unpacklo_epi8(lo, lo_ext), _mm256_unpackhi_epi8(lo, lo_ext),
+                _mm256_unpacklo_epi8(hi, hi_ext), _mm256_unpackhi_epi8(hi, hi_ext)};
             const int h = sub == 2 ? c / 2 : 0; /* inputs 8c .. 8c + 7: scale h */
             for (int r = 0; r < rows; r++)
                 for (int u = 0; u < 4; u++) /* int16 pair 4c + u: inputs 8c + 2u, + 1 */
@@ -234,7 +237,8 @@ ALWAYS_INLINE void record_dots(__m256i *dot, const uint8_t *q, const char *x, in
                 const __m256i aw = _mm256_abs_epi8(w[u]);
                 const int h = sub == 2 ? c / 2 : 0;
                 for (int r = 0; r < rows; r++) {
-                    const __m256i xs = _mm256_sign_epi8(bcast32(x + r * stride + 8 * c + 4 * u), w[u]);
+                    const __m256i xr = bcast32(x + r * stride + 8 * c + 4 * u);
+                    const __m256i xs = _mm256_sign_epi8(xr, w[u]);
                     dot[r * sub + h] = DOT_QUADS(dot[r * sub + h], aw, xs);
                 }
             }
@@ -299,7 +303,8 @@ static void run_tile(const uint8_t *wg, int64_t g, Rows a, int rows, int bits, i
                      int has_min, int kscale, int fast, void *y, int64_t y_stride, int y_bf16)
 {
     float acc[ROW_TILE][GROUP] = {{0}};
-    const int64_t qbytes = GROUP * BLOCK * bits / 8, rec = qbytes + scale_bytes(sub, has_min, kscale);
+    const int64_t qbytes = GROUP * BLOCK * bits / 8;
+    const int64_t rec = qbytes + scale_bytes(sub, has_min, kscale);
     for (int64_t b = 0; b < a.nb; b++) {
         const uint8_t *record = wg + b * rec;
         int16_t wv[GROUP][BLOCK];
@@ -312,7 +317,8 @@ static void run_tile(const uint8_t *wg, int64_t g, Rows a, int rows, int bits, i
                 int32_t dot[2] = {0, 0};
                 for (int k = 0; k < BLOCK; k++) {
                     const int64_t at = m * a.K + b * BLOCK + k;
-                    const int32_t xv = fast ? ((const int8_t *)a.xq)[at] : ((const int16_t *)a.xq)[at];
+                    const int32_t xv =
+                        fast ? ((const int8_t *)a.xq)[at] : ((const int16_t *)a.xq)[at];
                     dot[sub == 2 ? k / 16 : 0] += xv * wv[j][k];
                 }
                 for (int h = 0; h < sub; h++)
