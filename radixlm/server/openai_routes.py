@@ -24,12 +24,12 @@ from pydantic import BaseModel, ValidationError
 from radixlm.agents.chat import ChatAgents, ChatOutputs, ChatPlan
 from radixlm.agents.grammar import Constraint
 from radixlm.agents.tools import ToolChoice
-from radixlm.observatory.routes import Reports, with_cache_report
 from radixlm.observatory.segments import chat_segments
 from radixlm.request import SamplingParams
 from radixlm.server.admission import check_fits
 from radixlm.server.chat_protocol import ChatCompletionRequest
 from radixlm.server.errors import APIError, from_validation_error
+from radixlm.server.observatory_routes import Reports, start_report, with_cache_report
 from radixlm.server.protocol import CompletionRequest, SamplingRequest
 from radixlm.server.respond import respond
 from radixlm.server.responses import Kind, ResponseHeader
@@ -51,7 +51,7 @@ def openai_router(state: ServerState) -> APIRouter:
         namespace = state.tenancy.namespace(request, body.cache_salt)
         reports: Reports = []
         if body.return_cache_report:  # explained only when asked: no cost for the others
-            reports = [state.observatory.report_soon(p, namespace) for p in prompts]
+            reports = [start_report(state, p, namespace) for p in prompts]
         answer = respond(request, state, body, prompts, params, header, namespace, "prompt")
         return await _with_reports(answer, reports, batch=body.is_batch)
 
@@ -76,7 +76,7 @@ def openai_router(state: ServerState) -> APIRouter:
             segments = functools.partial(
                 chat_segments, agents.renderer, body.template_messages, plan.tools
             )
-            reports = [state.observatory.report_soon(prompt, namespace, segments)]
+            reports = [start_report(state, prompt, namespace, segments)]
         answer = respond(
             request, state, body, [prompt], params, header, namespace, "messages", outputs
         )
