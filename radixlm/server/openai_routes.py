@@ -45,6 +45,7 @@ def openai_router(state: ServerState) -> APIRouter:
     async def completions(request: Request) -> Response:
         body = await _parse(request, state, CompletionRequest)
         _check_model(state, body.model)
+        state.admission.check_fields(body)  # stop, logit_bias: bounded before anything reads them
         prompts = [await state.admission.prompt_ids(p) for p in body.prompts]
         header = _header(state, body, "completion", body.logprobs, prompts)
         params = _sampling_params(state, body, prompts, body.max_tokens, body.logprobs, "prompt")
@@ -61,6 +62,7 @@ def openai_router(state: ServerState) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, state, ChatCompletionRequest)
         _check_model(state, body.model)
+        state.admission.check_fields(body, body.messages)  # before tools compile or render
         namespace = state.tenancy.namespace(request, body.cache_salt)
         plan = await _chat_plan(agents, body)
         render = functools.partial(agents.prompt_ids, tools=plan.tools, namespace=namespace)
