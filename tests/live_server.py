@@ -5,9 +5,10 @@
         OpenAI(base_url=server.url + "/v1", api_key="k")...
         server.wait_idle()                           # /v1/cache once no request holds a slot
 
-A multi-tenant server (API keys, or header tenants) gets an admin key (TEST_ADMIN_KEY unless its
-config names one), and the LiveServer sends it on the cache-wide routes (OPERATOR_PATHS), as an
-operator would; every other request carries the tenant key `api_key`.
+A multi-tenant server (API keys, or header tenants) gets an admin key (`admin_key`, by default
+TEST_ADMIN_KEY, unless its config names one; None leaves it without), and the LiveServer sends
+it on the cache-wide routes (OPERATOR_PATHS), as an operator would; every other request carries
+the tenant key `api_key`.
 
 Nothing is downloaded: the tokenizer is 256 byte tokens (byte b is token b) plus ChatML specials,
 built in memory.
@@ -143,6 +144,7 @@ def live_server(
     cache: CacheConfig | None = None,
     scheduler: SchedulerConfig | None = None,
     server: ServerConfig | None = None,
+    admin_key: str | None = TEST_ADMIN_KEY,
 ) -> Iterator[LiveServer]:
     """A server on a free port; `server` overrides the ServerConfig (its api_keys win over
     `api_key`, which is the one key the LiveServer's requests carry)."""
@@ -155,7 +157,7 @@ def live_server(
     )
     async_engine.start()
     keys = (api_key,) if api_key else ()
-    config = _with_admin_key(server or ServerConfig(api_keys=keys, model_name="tiny"))
+    config = _with_admin_key(server or ServerConfig(api_keys=keys, model_name="tiny"), admin_key)
     app = create_app(async_engine, config)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -181,9 +183,9 @@ def live_server(
         sock.close()
 
 
-def _with_admin_key(config: ServerConfig) -> ServerConfig:
-    """`config`, with TEST_ADMIN_KEY when it is multi-tenant and names no admin key."""
+def _with_admin_key(config: ServerConfig, admin_key: str | None) -> ServerConfig:
+    """`config`, with `admin_key` when it is multi-tenant and names none."""
     multi_tenant = bool(config.api_keys) or config.salt_from.startswith("header:")
-    if config.admin_key is None and multi_tenant:
-        return dataclasses.replace(config, admin_key=TEST_ADMIN_KEY)
+    if config.admin_key is None and multi_tenant and admin_key is not None:
+        return dataclasses.replace(config, admin_key=admin_key)
     return config
