@@ -266,6 +266,11 @@ class OutputStream:
         self.text += match.text
         return TextDelta(match.text, None)
 
+    @property
+    def stop_work(self) -> int:
+        """Characters the stop-string check scanned and emitted so far (linear in the text)."""
+        return self._stop_checker.work
+
     def _finish(self, reason: FinishReason, text: str, flush: bool = True) -> TextDelta:
         if flush:  # emit what was held back for a character or a stop string that never came
             match = self._stop_checker.push(self._detokenizer.flush())
