@@ -73,7 +73,7 @@ def main() -> None:
 
 
 def make_engine(args: argparse.Namespace, l2_dir: str | None) -> Engine:
-    from radixlm.cache.tiered_cache import TieredRadixCache
+    from radixlm.cache.l2.cache import TieredRadixCache
     from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
     from radixlm.engine.engine import Engine
 
@@ -161,7 +161,7 @@ def run_requests(
 
 
 def flush(engine: Engine) -> None:
-    from radixlm.cache.tiered_cache import TieredRadixCache
+    from radixlm.cache.l2.cache import TieredRadixCache
 
     engine.cache.flush()
     if isinstance(engine.cache, TieredRadixCache):

@@ -192,6 +192,8 @@ def benchmarks_page() -> str:
         agents_section(),
         "## Eviction policies and a disk tier, on a production trace\n",
         tiers_section(),
+        "### On traces they were not tuned on\n",
+        traces_section(),
         "### The disk tier, served\n",
         l2_served_section(),
         "## Replicas behind a cache-aware gateway\n",
@@ -459,6 +461,56 @@ def tiers_section() -> str:
         )
     lines.append(f"\n{_host_line(result.get('host'))}.\n")
     return "\n".join(lines)
+
+
+def traces_section() -> str:
+    result = _recorded("cache_traces.json")
+    if result is None:
+        return _not_run("radixlm.bench.cache_traces")
+    traces = result["traces"]
+    lines = [
+        f"`{result['command']}` replays the Mooncake trace (where the policies' constants were "
+        "tuned) and synthetic traces of other shapes (`radixlm/bench/trace_shapes.py`, which "
+        f"tuned nothing), {result['inflight']} requests in flight, hit rates over the last "
+        f"{1 - result['eval_from']:.0%} of each. RAM and disk sizes per trace; in brackets the "
+        "share of the LRU → Belady gap a policy closes; *same bytes*: LRU with RAM of RAM + "
+        "disk; the disk tier under its three write rules (`bench/l2_sim.py`), and the KV bytes "
+        "each writes per byte it reads back ([cache.md](cache.md)):\n",
+        "| trace | RAM / disk tokens | LRU | turn-credit | gdsf | adaptive | Belady "
+        "| same bytes | RAM + disk: filter / pressure / all | bytes written per byte read |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for t in traces:
+        runs, gap, tiered = t["runs"], t["gap_closed"], t["tiered"]
+        cells = [f"{runs['lru']:.1%}"]
+        for p in ("turn-credit", "gdsf", "adaptive"):
+            closed = gap.get(p)
+            cells.append(f"{runs[p]:.1%}" + ("" if closed is None else f" ({closed:+.0%})"))
+        rules = " / ".join(f"{tiered[r]['hit_rate']:.1%}" for r in RULES)
+        name = t["name"] + (" (tuned on)" if t["tuned_on"] else "")
+        lines.append(
+            f"| {name} | {_short(t['ram'])} / {_short(t['disk'])} | {' | '.join(cells)} "
+            f"| {runs['belady']:.1%} | {runs['lru_ram_and_disk']:.1%} | {rules} "
+            f"| {' / '.join(_opt(tiered[r]['written_per_read'], '{:.1f}') for r in RULES)} |"
+        )
+    held_out = [t["gap_closed"]["adaptive"] for t in traces if not t["tuned_on"]]
+    closed = [g for g in held_out if g is not None]
+    worst = min(t["tiered"]["pressure"]["hit_rate"] - t["runs"]["lru_ram_and_disk"]
+                for t in traces)  # fmt: skip
+    lines.append(
+        f"\nadaptive closes {statistics.mean(closed):.0%} of the LRU → Belady gap on average "
+        f"over the {len(closed)} traces it was not tuned on that have a gap; RAM + disk "
+        f"(pressure) is at worst {worst * 100:+.1f} points from the same bytes in RAM. "
+        f"{_host_line(result.get('host'))}.\n"
+    )
+    return "\n".join(lines)
+
+
+RULES = ("filter", "pressure", "all")  # the L2 write rules of bench/l2_sim.py
+
+
+def _short(tokens: int) -> str:
+    return f"{tokens / 1e6:g}M" if tokens >= 1_000_000 else f"{tokens / 1e3:g}k"
 
 
 def l2_served_section() -> str:

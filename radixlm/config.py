@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 CacheKind = Literal["radix", "none"]
-Eviction = Literal["lru", "turn-credit", "gdsf"]
+Eviction = Literal["lru", "turn-credit", "gdsf", "adaptive"]
 Policy = Literal["lpm", "fcfs"]
 DType = Literal["float32", "bfloat16", "float16"]
 # "auto": the dtype this machine runs fastest, chosen when the model loads (ModelRunner):
@@ -59,8 +59,8 @@ class CacheConfig:
     cache: CacheKind = "radix"  # "none" never reuses KV (the ablation)
     kv_dtype: DType | None = None  # None = the model's dtype
     eviction: Eviction = "lru"  # which unlocked leaf goes first (radixlm/cache/eviction.py)
-    l2_dir: str | None = None  # a directory for the L2 page file; None = no L2 tier
-    l2_capacity: int = 1 << 20  # tokens of KV the L2 page file holds (64-token pages)
+    l2_dir: str | None = None  # a directory for the L2 extent file; None = no L2 tier
+    l2_capacity: int = 1 << 20  # tokens of KV the L2 extent file holds (64-token extents)
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
@@ -71,9 +71,10 @@ class CacheConfig:
             raise ValueError(f"cache must be 'radix' or 'none', got {self.cache!r}")
         if self.l2_capacity < 64:
             raise ValueError(f"l2_capacity must be >= 64 tokens, got {self.l2_capacity}")
-        if self.eviction not in ("lru", "turn-credit", "gdsf"):
+        if self.eviction not in ("lru", "turn-credit", "gdsf", "adaptive"):
             raise ValueError(
-                f"eviction must be 'lru', 'turn-credit' or 'gdsf', got {self.eviction!r}"
+                "eviction must be 'lru', 'turn-credit', 'gdsf' or 'adaptive', "
+                f"got {self.eviction!r}"
             )
 
 
@@ -131,6 +132,10 @@ class ServerConfig:
     max_queued_tokenizations: int = 64  # more waiting than this is a 503
     metrics_snapshot_ttl_s: float = 1.0  # /metrics reuses an engine snapshot this young
     cache_page_text: bool = False  # /cache and /v1/cache/tree show token text (prompts: private)
+    # The Responses API's stored responses (store + previous_response_id): at most this many per
+    # cache namespace, and this many bytes (their text and token ids) in all; LRU dropped first
+    max_stored_responses: int = 1024
+    max_stored_response_bytes: int = 256 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -170,7 +175,8 @@ class ServerConfig:
                 "report_cached_tokens must be 'exact', 'page' or 'none', "
                 f"got {self.report_cached_tokens!r}"
             )
-        for name in ("cached_tokens_page", "max_body_bytes", "max_concurrent_tokenizations"):
+        for name in ("cached_tokens_page", "max_body_bytes", "max_concurrent_tokenizations",
+                     "max_stored_responses", "max_stored_response_bytes"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queued_tokenizations < 0:

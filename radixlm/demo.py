@@ -45,10 +45,11 @@ def run(args: argparse.Namespace) -> int:
 
     from radixlm.cache.kv_pool import SlotAllocator
     from radixlm.cache.prefix_cache import RadixCache
+    from radixlm.cache.radix_tree import RadixTree
 
     if args.page_size < 1:
         raise SystemExit("--page-size must be >= 1")
-    cache = RadixCache(SlotAllocator(1024), page_size=args.page_size)
+    cache = RadixCache(SlotAllocator(1024), RadixTree(page_size=args.page_size))
     vocab = Vocab()
     steps = [_serve(cache, vocab, parts, answer) for parts, answer in SCENARIO]
     console = Console()

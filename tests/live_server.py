@@ -20,7 +20,7 @@ import dataclasses
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 import torch
 import uvicorn
+from starlette.types import ASGIApp
 
 from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
 from radixlm.engine.async_engine import AsyncEngine
@@ -145,9 +146,11 @@ def live_server(
     scheduler: SchedulerConfig | None = None,
     server: ServerConfig | None = None,
     admin_key: str | None = TEST_ADMIN_KEY,
+    wrap: Callable[[ASGIApp], ASGIApp] | None = None,
 ) -> Iterator[LiveServer]:
     """A server on a free port; `server` overrides the ServerConfig (its api_keys win over
-    `api_key`, which is the one key the LiveServer's requests carry)."""
+    `api_key`, which is the one key the LiveServer's requests carry); `wrap` wraps the app (a
+    test's own middleware, outermost)."""
     async_engine = AsyncEngine(
         lambda: Engine(
             ModelConfig(path=str(model_path), dtype="float32", num_threads=1),
@@ -158,7 +161,9 @@ def live_server(
     async_engine.start()
     keys = (api_key,) if api_key else ()
     config = _with_admin_key(server or ServerConfig(api_keys=keys, model_name="tiny"), admin_key)
-    app = create_app(async_engine, config)
+    app: ASGIApp = create_app(async_engine, config)
+    if wrap is not None:
+        app = wrap(app)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))  # a free port, held from now on: no race with other tests

@@ -12,9 +12,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, run_state_machine_as_test
 
-from radixlm.cache.eviction import POLICIES, GDSFPolicy, TurnCreditPolicy
+from radixlm.cache import create_prefix_cache
+from radixlm.cache.adaptive import AdaptivePolicy, LearnedOffsets
+from radixlm.cache.eviction import GDSFPolicy, TurnCreditPolicy
 from radixlm.cache.kv_pool import SlotAllocator
-from radixlm.cache.prefix_cache import RadixCache, create_prefix_cache
+from radixlm.cache.policies import POLICIES
+from radixlm.cache.prefix_cache import RadixCache
 from radixlm.cache.radix_tree import RadixTree, TreeNode
 from radixlm.config import CacheConfig
 
@@ -118,7 +121,7 @@ def make_machine(policy_name: str, page_size: int) -> type[RuleBasedStateMachine
         def __init__(self) -> None:
             super().__init__()
             self.tree.eviction_listener = self.check_popped_is_minimal
-            self.seen: dict[int, tuple[TreeNode, int]] = {}  # id -> (node, last priority)
+            self.seen: dict[int, tuple[TreeNode, list[int]]] = {}  # id -> (node, priorities)
 
         def check_popped_is_minimal(self, node: TreeNode) -> None:
             priority = self.tree.policy.priority
@@ -128,16 +131,17 @@ def make_machine(policy_name: str, page_size: int) -> type[RuleBasedStateMachine
 
         @invariant()
         def never_lowers_a_priority(self) -> None:
-            priority = self.tree.policy.priority
+            experts = getattr(self.tree.policy, "experts", (self.tree.policy,))  # each order
             alive = {}
             stack = list(self.tree.roots().values())
             while stack:
                 node = stack.pop()
                 stack.extend(node.children.values())
                 old = self.seen.get(id(node))
+                now = [e.priority(node) for e in experts]
                 if old is not None and old[0] is node:
-                    assert priority(node) >= old[1], "a priority decreased"
-                alive[id(node)] = (node, priority(node))
+                    assert all(a >= b for a, b in zip(now, old[1])), "a priority decreased"
+                alive[id(node)] = (node, now)
             self.seen = alive
 
     return PolicyVersusReference
@@ -150,3 +154,56 @@ def test_policy_matches_the_reference(policy_name: str, page_size: int) -> None:
     run_state_machine_as_test(
         machine, settings=settings(max_examples=40, stateful_step_count=40, deadline=None)
     )
+
+
+def test_adaptive_matches_the_reference_while_its_offsets_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The adaptive policy keeps both of its heaps exact and no priority decreasing even when
+    it relearns its offsets every few evictions and its weights at every return."""
+    monkeypatch.setitem(POLICIES, "adaptive", lambda: AdaptivePolicy(epoch=2, window=1e9))
+    machine = make_machine("adaptive", 1)
+    run_state_machine_as_test(
+        machine, settings=settings(max_examples=40, stateful_step_count=40, deadline=None)
+    )
+
+
+def turns_out_of_ram(tree: RadixTree, seeds: range, turn: int) -> None:
+    """Turn `turn` of conversations `seeds` (no shared prefix: ghosts tell them apart), then
+    everything leaves the tree; the next turn of each finds only its ghost."""
+    for seed in seeds:
+        put(tree, [seed * 1000 + i for i in range(20 * turn)])
+    tree.evict(tree.evictable_tokens)
+
+
+def test_learned_offsets_keep_the_levels_that_come_back_and_lets_the_other_go_sooner() -> None:
+    policy = LearnedOffsets(epoch=16, window=1e9)
+    tree = RadixTree(policy=policy)
+    assert policy.offsets == [0.0] * 9  # it starts as LRU
+    for round_ in range(12):
+        seeds = range(round_ * 10, round_ * 10 + 10)
+        for turn in (1, 2, 3):  # turns 1 and 2 always come back; turn 3 never does
+            turns_out_of_ram(tree, seeds, turn)
+    first, second, third = policy.offsets[:3]  # levels 0, 1, 2: turns 1, 2, 3
+    assert first > 0 and second > 0 and third < 0
+    assert abs(first - second) < 0.25 * first  # alike return rates, alike offsets
+    tree.check_integrity()
+
+
+def test_learned_offsets_stay_lru_when_nothing_comes_back() -> None:
+    policy = LearnedOffsets(epoch=16, window=1e9)
+    tree = RadixTree(policy=policy)
+    for round_ in range(12):
+        turns_out_of_ram(tree, range(round_ * 10, round_ * 10 + 10), 1)
+    assert policy.offsets == [0.0] * 9
+
+
+def test_adaptive_follows_the_expert_whose_evictions_come_back_less() -> None:
+    policy = AdaptivePolicy()
+    for _ in range(100):
+        policy._regret(1)  # the learned offsets' evictions keep coming back: follow LRU
+    assert policy.weights == pytest.approx([1 - policy.floor, policy.floor])  # never all
+    assert sum(policy.choose() == 0 for _ in range(1000)) > 950
+    for _ in range(100):
+        policy._regret(0)
+    assert policy.weights[1] > 0.9

@@ -1,5 +1,5 @@
-"""`bench cache` with a simulated L2 tier and Belady: hits per tier, bytes, admission, the eval
-window, and Belady against LRU and a brute-force optimum on small traces."""
+"""`bench cache` with a simulated L2 tier and Belady: hits per tier, bytes, the write filter,
+the eval window, and Belady against LRU and a brute-force optimum on small traces."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def test_a_later_turn_comes_back_from_l2_and_a_first_turn_is_not_written() -> No
     # conversation 1: turns 1 and 2, pushed out of a 100-token L1 by fillers, then turn 3
     trace = [request(turn(1, 1)), request(turn(1, 2)), filler(1), filler(2), request(turn(1, 3))]
     ram = replay(trace, capacity=100, eval_start=4).summary()
-    tiered = replay(trace, capacity=100, l2_capacity=1000, eval_start=4).summary()
+    tiered = replay(trace, capacity=100, l2_capacity=1000, eval_start=4, l2_write="filter")
+    tiered = tiered.summary()
     assert ram["eval_token_hit_rate"] == tiered["eval_l1_hit_rate"] == 0.0
     # turn 2's whole path (56 tokens) was written as it finished; turn 1 alone was not
     assert tiered["eval_l2_hit_tokens"] == len(turn(1, 2))
@@ -50,9 +51,21 @@ def test_a_finished_turn_is_written_through_and_its_eviction_writes_nothing() ->
     done = replay([request(turn(1, 1)), request(turn(1, 2))], l2_capacity=1000)
     assert done.l2 is not None and done.l2.tree.num_tokens == len(turn(1, 2))  # no eviction yet
     trace = [request(turn(1, 1)), request(turn(1, 2)), filler(1), filler(2)]
-    s = replay(trace, capacity=100, l2_capacity=1000).summary()
+    s = replay(trace, capacity=100, l2_capacity=1000, l2_write="filter").summary()
     assert s["evicted_tokens"] >= len(turn(1, 2))  # L1 dropped the conversation...
     assert s["l2_bytes_written"] == len(turn(1, 2)) * KV_BYTES_PER_TOKEN  # ...and wrote nothing
+
+
+def test_pressure_writes_what_ram_evicts_while_the_disk_has_room_then_asks_the_filter() -> None:
+    # a first turn (no return rate measured yet: the filter refuses it) leaves RAM, comes back
+    trace = [request(turn(1, 1)), filler(1), filler(2), request(turn(1, 2))]
+    hits = {}
+    for rule, l2 in (("filter", 1000), ("pressure", 1000), ("pressure", 30)):
+        s = replay(trace, capacity=100, l2_capacity=l2, eval_start=3, l2_write=rule).summary()
+        hits[rule, l2] = s["eval_l2_hit_tokens"]
+    assert hits["filter", 1000] == 0  # refused, though the disk was empty
+    assert hits["pressure", 1000] == len(turn(1, 1))  # room: written, and it came back
+    assert hits["pressure", 30] == 0  # no room for it: the filter decides, and refuses
 
 
 def test_l2_evicts_to_its_capacity_leaf_first() -> None:
@@ -126,17 +139,17 @@ def test_cli_reports_tiers_and_the_gap(tmp_path: Path) -> None:
 def test_first_turns_are_written_only_once_enough_of_them_come_back() -> None:
     rng = np.random.default_rng(0)
     one_shot = [request(rng.integers(1 << 20, 1 << 40, 80).tolist()) for _ in range(200)]
-    s = replay(one_shot, capacity=400, l2_capacity=10_000).summary()
+    s = replay(one_shot, capacity=400, l2_capacity=10_000, l2_write="filter").summary()
     assert s["l2_bytes_written"] == 0 and s["l2_rejected_tokens"] > 0  # no return: no writes
     # half of 100 conversations come back 15 conversations later, long after L1 dropped them:
-    # once 64 first turns were seen (the rate is trusted) first turns are admitted, and the
+    # once 64 first turns were seen (the rate is trusted) first turns are written, and the
     # second turns of the later conversations hit L2
     chats = []
     for c in range(100):
         chats.append(request(turn(c, 1)))
         if c >= 15 and c % 2:
             chats.append(request(turn(c - 15, 2)))
-    tiered = replay(chats, capacity=400, l2_capacity=100_000)
+    tiered = replay(chats, capacity=400, l2_capacity=100_000, l2_write="filter")
     assert tiered.l2 is not None
     rate = tiered.l2.turns.return_rate(1)
     assert rate is not None and rate >= 0.25

@@ -4,7 +4,6 @@ on disk is not a miss. `peek` predicts exactly what `match` then returns, L2 inc
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -13,20 +12,22 @@ from engine_helpers import GREEDY
 from tiny_tokenizers import byte_level
 
 from radixlm.cache.kv_pool import KVPool
-from radixlm.cache.l2_pages import L2PageFile
-from radixlm.cache.tiered_cache import PAGE_TOKENS, TieredRadixCache, _fingerprint
+from radixlm.cache.l2.cache import TieredRadixCache, make_tiered_cache
+from radixlm.cache.l2.extent_file import ExtentFile, Faults
+from radixlm.cache.l2.node import EXTENT_TOKENS
+from radixlm.cache.l2.store import fingerprint
 from radixlm.config import SchedulerConfig
 from radixlm.engine.request import Request
 from radixlm.engine.scheduler import Scheduler
 
-ON_DISK = np.arange(3 * PAGE_TOKENS, dtype=np.int64)  # three pages, evicted to L2
-IN_RAM = np.arange(5000, 5000 + PAGE_TOKENS, dtype=np.int64)  # one page, kept in RAM
+ON_DISK = np.arange(3 * EXTENT_TOKENS, dtype=np.int64)  # three extents, evicted to L2
+IN_RAM = np.arange(5000, 5000 + EXTENT_TOKENS, dtype=np.int64)  # one extent, kept in RAM
 
 
 def make_cache(tmp_path: Path) -> TieredRadixCache:
     pool = KVPool(1024, num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32)
-    l2 = L2PageFile(str(tmp_path / "l2"), 8, PAGE_TOKENS * pool.bytes_per_slot, _fingerprint(pool))
-    cache = TieredRadixCache(pool, l2)
+    l2 = ExtentFile(str(tmp_path / "l2"), 8, EXTENT_TOKENS * pool.bytes_per_slot, fingerprint(pool))
+    cache = make_tiered_cache(pool, l2)
     for tokens in (ON_DISK, IN_RAM):
         cache.tree.insert(tokens, cache.alloc(len(tokens)))
         cache.num_in_flight -= len(tokens)  # tree-owned now
@@ -42,19 +43,18 @@ def request(rid: str, prompt: np.ndarray) -> Request:
 
 def test_a_prefix_on_disk_ranks_by_the_tokens_it_will_load(tmp_path: Path) -> None:
     cache = make_cache(tmp_path)
-    assert cache.tree.peek(ON_DISK) == 0 and cache.tree.num_l2_pages == 3
+    assert cache.tree.peek(ON_DISK) == 0 and cache.tree.num_l2_extents == 3
     sched = Scheduler(SchedulerConfig(max_running_requests=1), cache)
     in_ram, on_disk = request("ram", IN_RAM), request("disk", ON_DISK)
     sched.add([in_ram])
-    sched.add([on_disk])  # arrives second, but has 3 pages to load against 1 page in RAM
+    sched.add([on_disk])  # arrives second, but has 3 extents to load against 1 extent in RAM
     assert sched._waiting_order() == [on_disk, in_ram]
-    disk, fast = threading.Event(), cache.l2._pread
+    disk = threading.Event()
 
-    def slow(page: int, key: bytes, sink: Callable[[bytearray], None] | None) -> bytearray | None:
+    def slow(extent: int) -> None:
         disk.wait(10.0)
-        return fast(page, key, sink)
 
-    cache.l2._pread = slow  # type: ignore[method-assign]
+    cache.store.file.faults = Faults(read=slow)
     step = sched.schedule()  # its load starts first; the one running slot goes to the RAM hit
     assert id(on_disk) in sched._loads and sched.running == [in_ram]
     sched.cancel(step.scheduled)  # no forward pass here: the step's slots go back
@@ -69,7 +69,7 @@ def test_peek_predicts_the_match_l2_included(tmp_path: Path) -> None:
     cache = make_cache(tmp_path)
     queries = [
         np.concatenate([ON_DISK, [1, 2]]),
-        np.concatenate([ON_DISK[:100], [9999] * 50]),  # diverges inside the L2 edge: 1 page
+        np.concatenate([ON_DISK[:100], [9999] * 50]),  # diverges inside the L2 edge: 1 extent
         IN_RAM[:40],
         np.concatenate([IN_RAM, ON_DISK]),  # RAM prefix, no L2 continuation
     ]

@@ -1,4 +1,4 @@
-"""TieredRadixCache without a model: spilled pages load back bit-exact into tree-owned slots,
+"""TieredRadixCache without a model: spilled extents load back bit-exact into tree-owned slots,
 and a full L2 forgets chain ends first (never the chain being written)."""
 
 from __future__ import annotations
@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -14,22 +13,26 @@ import pytest
 import torch
 
 from radixlm.cache.kv_pool import KVPool
-from radixlm.cache.l2_pages import HEADER_BYTES, L2PageFile
+from radixlm.cache.l2.cache import TieredRadixCache, make_tiered_cache
+from radixlm.cache.l2.extent_file import HEADER_BYTES, ExtentFile, Faults
+from radixlm.cache.l2.node import EXTENT_TOKENS, extents_of, l2_children
+from radixlm.cache.l2.store import fingerprint as layout_fingerprint
 from radixlm.cache.prefix_cache import PendingMatch
-from radixlm.cache.tiered_cache import PAGE_TOKENS, TieredRadixCache, _fingerprint
 
 
 def make_cache(
     tmp_path: Path,
-    num_pages: int,
+    num_extents: int,
     dtype: torch.dtype = torch.float32,
     fingerprint: bytes | None = None,
 ) -> TieredRadixCache:
     tmp_path.mkdir(parents=True, exist_ok=True)
     pool = KVPool(1024, num_layers=2, num_kv_heads=1, head_dim=4, dtype=dtype)
-    payload = PAGE_TOKENS * pool.bytes_per_slot
-    fingerprint = fingerprint or _fingerprint(pool)
-    return TieredRadixCache(pool, L2PageFile(str(tmp_path / "l2"), num_pages, payload, fingerprint))
+    payload = EXTENT_TOKENS * pool.bytes_per_slot
+    fingerprint = fingerprint or layout_fingerprint(pool)
+    return make_tiered_cache(
+        pool, ExtentFile(str(tmp_path / "l2"), num_extents, payload, fingerprint)
+    )
 
 
 def kv_of(tokens: np.ndarray, layer: int) -> torch.Tensor:
@@ -38,13 +41,14 @@ def kv_of(tokens: np.ndarray, layer: int) -> torch.Tensor:
 
 
 def put(cache: TieredRadixCache, tokens: np.ndarray) -> None:
-    """A finished request's KV enters the tree, then a match hits it (so it is admitted)."""
+    """A request's computed KV enters the tree (committed, then released unfinished, so
+    nothing is written through), then a match hits it (so it is worth writing)."""
     slots = cache.alloc(len(tokens))
     for layer in range(2):
         cache.kv.k_cache(layer)[torch.from_numpy(slots)] = kv_of(tokens, layer).to(cache.kv.dtype)
         cache.kv.v_cache(layer)[torch.from_numpy(slots)] = -kv_of(tokens, layer).to(cache.kv.dtype)
-    cache.tree.insert(tokens, slots)
-    cache.num_in_flight -= len(tokens)
+    done = cache.commit(tokens, slots, None, cache.tree.root())
+    cache.release(done.node, done.slots[done.cached_len :], finished=False)
     cache.tree.match(tokens)
 
 
@@ -59,152 +63,150 @@ def loaded(cache: TieredRadixCache, tokens: np.ndarray) -> int:
     return m.length
 
 
-A = np.arange(3 * PAGE_TOKENS, dtype=np.int64)
-B = np.arange(1000, 1000 + 3 * PAGE_TOKENS, dtype=np.int64)
+A = np.arange(3 * EXTENT_TOKENS, dtype=np.int64)
+B = np.arange(1000, 1000 + 3 * EXTENT_TOKENS, dtype=np.int64)
 
 
-def test_pages_load_back_bit_exact_and_an_older_chain_shrinks_from_its_end(
+def test_extents_load_back_bit_exact_and_an_older_chain_shrinks_from_its_end(
     tmp_path: Path,
 ) -> None:
-    cache = make_cache(tmp_path, num_pages=4)
+    cache = make_cache(tmp_path, num_extents=4)
     put(cache, A)
-    cache.flush()  # A's three pages go to L2
+    cache.flush()  # A's three extents go to L2
     put(cache, B)
-    cache.flush()  # B needs three: one free, then A's end pages go, A's head stays
+    cache.flush()  # B needs three: one free, then A's end extents go, A's head stays
     cache.check_integrity()
     assert cache.tree.num_tokens == 0
-    assert loaded(cache, A) == PAGE_TOKENS  # plain LRU over pages would have dropped A's head
+    assert loaded(cache, A) == EXTENT_TOKENS  # plain LRU over extents would have dropped A's head
     cache.flush()
-    assert loaded(cache, B) == 3 * PAGE_TOKENS
-    assert cache.l2_bad_pages == 0
+    assert loaded(cache, B) == 3 * EXTENT_TOKENS
+    assert cache.loads.bad_extents == 0
 
 
 def test_a_chain_never_evicts_its_own_head(tmp_path: Path) -> None:
-    cache = make_cache(tmp_path, num_pages=2)
+    cache = make_cache(tmp_path, num_extents=2)
     put(cache, A)
-    cache.flush()  # three pages into two: the third is skipped, not written over the first
-    assert cache.l2_written_pages == 2
-    assert loaded(cache, A) == 2 * PAGE_TOKENS
+    cache.flush()  # three extents into two: the third is skipped, not written over the first
+    assert cache.store.written_extents == 2
+    assert loaded(cache, A) == 2 * EXTENT_TOKENS
 
 
 def test_a_slow_read_is_recomputed_and_logged(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    cache = make_cache(tmp_path, num_pages=4)
+    cache = make_cache(tmp_path, num_extents=4)
     put(cache, A)
     cache.flush()
-    cache.read_timeout_s = 0.05
-    fast, disk_recovered = cache.l2._pread, threading.Event()
+    cache.loads.read_timeout_s = 0.05
+    disk_recovered = threading.Event()
 
-    def slow(page: int, key: bytes, sink: Callable[[bytearray], None] | None) -> bytearray | None:
+    def slow(extent: int) -> None:
         disk_recovered.wait(5.0)
-        return fast(page, key, sink)
 
-    cache.l2._pread = slow  # type: ignore[method-assign]
+    cache.store.file.faults = Faults(read=slow)
     with caplog.at_level(logging.WARNING):
         assert loaded(cache, A) == 0  # nothing waited for, nothing wrong: all recomputed
-    assert cache.l2_read_timeouts == 1 and cache.l2_bad_pages == 0
+    assert cache.loads.read_timeouts == 1 and cache.loads.bad_extents == 0
     assert "L2 read slower than" in caplog.text
-    cache.l2._pread = fast  # type: ignore[method-assign]
+    cache.store.file.faults = Faults()
     disk_recovered.set()  # the reads still queued finish
-    assert loaded(cache, A) == 3 * PAGE_TOKENS  # the pages were not doubtful: kept
+    assert loaded(cache, A) == 3 * EXTENT_TOKENS  # the extents were not doubtful: kept
 
 
 @pytest.mark.parametrize(
     ("dtype", "fingerprint"), [(torch.bfloat16, None), (torch.float32, b"another model")]
 )
-def test_a_page_file_from_another_model_or_dtype_is_a_miss(
+def test_a_extent_file_from_another_model_or_dtype_is_a_miss(
     tmp_path: Path, dtype: torch.dtype, fingerprint: bytes | None
 ) -> None:
-    ours = make_cache(tmp_path / "ours", num_pages=4)
-    theirs = make_cache(tmp_path / "theirs", num_pages=4, dtype=dtype, fingerprint=fingerprint)
+    ours = make_cache(tmp_path / "ours", num_extents=4)
+    theirs = make_cache(tmp_path / "theirs", num_extents=4, dtype=dtype, fingerprint=fingerprint)
     for cache in (ours, theirs):
         put(cache, A)
         cache.flush()
-        for pending in cache._pending.values():
-            pending.result()
-    with open(tmp_path / "ours" / "l2", "r+b") as f:  # their pages where ours were
+        cache.store.wait_writes()
+    with open(tmp_path / "ours" / "l2", "r+b") as f:  # their extents where ours were
         f.write((tmp_path / "theirs" / "l2").read_bytes())
-    assert loaded(ours, A) == 0 and ours.l2_bad_pages == 1
-    assert ours.tree.num_l2_pages == 0  # the doubtful chain is forgotten
+    assert loaded(ours, A) == 0 and ours.loads.bad_extents == 1
+    assert ours.tree.num_l2_extents == 0  # the doubtful chain is forgotten
 
 
 def test_a_background_load_keeps_every_account_while_it_runs(tmp_path: Path) -> None:
-    cache = make_cache(tmp_path, num_pages=4)
+    cache = make_cache(tmp_path, num_extents=4)
     put(cache, A)
     cache.flush()
     ticket = cache.match_or_load(A)
     assert isinstance(ticket, PendingMatch)
     cache.check_integrity()  # slots in flight, the chain pinned
-    assert cache.num_in_flight == 3 * PAGE_TOKENS
+    assert cache.num_in_flight == 3 * EXTENT_TOKENS
     joined = cache.match_or_load(A)  # another request for the same chain waits on the same read
     assert isinstance(joined, PendingMatch) and joined.load is ticket.load  # type: ignore[attr-defined]
     cache.wait_loads([ticket], timeout_s=5.0)
     while not ticket.ready():
         cache.wait_loads([ticket], timeout_s=5.0)
-    assert cache.finish_load(ticket).length == 3 * PAGE_TOKENS
-    assert cache.finish_load(joined).length == 3 * PAGE_TOKENS
+    assert cache.finish_load(ticket).length == 3 * EXTENT_TOKENS
+    assert cache.finish_load(joined).length == 3 * EXTENT_TOKENS
     assert cache.num_in_flight == 0
-    assert loaded(cache, A) == 3 * PAGE_TOKENS  # bit-exact, tree-owned
+    assert loaded(cache, A) == 3 * EXTENT_TOKENS  # bit-exact, tree-owned
 
 
 def test_a_load_that_an_insert_overtakes_is_aborted(tmp_path: Path) -> None:
-    cache = make_cache(tmp_path, num_pages=4)
+    cache = make_cache(tmp_path, num_extents=4)
     put(cache, A)
     cache.flush()
     ticket = cache.match_or_load(A)
     assert isinstance(ticket, PendingMatch)
     put(cache, A)  # another request computed A meanwhile: it claims the chain
-    assert cache.l2_aborted_loads == 1 and cache.num_in_flight == 0
+    assert cache.loads.aborted == 1 and cache.num_in_flight == 0
     cache.check_integrity()
     assert ticket.ready() and cache.finish_load(ticket).length == len(A)
     assert loaded(cache, A) == len(A)
 
 
-def test_a_staged_page_dropped_before_its_copy_never_waits_for_the_disk(tmp_path: Path) -> None:
-    cache = make_cache(tmp_path, num_pages=4)
+def test_a_staged_extent_dropped_before_its_copy_never_waits_for_the_disk(tmp_path: Path) -> None:
+    cache = make_cache(tmp_path, num_extents=4)
     put(cache, A)
-    disk, fast = threading.Event(), cache.l2._pwrite
+    disk = threading.Event()
 
-    def stuck(page: int, key: bytes, payload: Callable[[], object]) -> None:
-        disk.wait(10.0)  # the disk hangs before any staged page is gathered
-        fast(page, key, payload)  # type: ignore[arg-type]
+    def stuck(extent: int) -> None:
+        disk.wait(10.0)  # the disk hangs before any staged extent is gathered
 
-    cache.l2._pwrite = stuck  # type: ignore[method-assign]
+    cache.store.file.faults = Faults(write=stuck)
     m = cache.tree.match(A)
     cache.lock(m.node)
-    assert cache.tree.write_through(m.node) == 3 and cache.l2.num_free == 1
+    assert cache.tree.write_through(m.node) == 3 and cache.store.file.num_free == 1
     cache.unlock(m.node)
     t0 = time.perf_counter()
-    assert cache.tree.flush_l2() == 3  # RAM keeps A: L2 drops its copy, uncopied pages free
-    assert time.perf_counter() - t0 < 5.0 and cache.l2.num_free == 4
+    assert cache.tree.flush_l2() == 3  # RAM keeps A: L2 drops its copy, uncopied extents free
+    assert time.perf_counter() - t0 < 5.0 and cache.store.file.num_free == 4
     cache.check_integrity()
     disk.set()
     cache.flush()  # A leaves RAM unwritten (its copy was dropped): written now, and loads
-    cache.l2._pwrite = fast  # type: ignore[method-assign]
-    assert loaded(cache, A) == 3 * PAGE_TOKENS and cache.l2_bad_pages == 0
+    cache.store.file.faults = Faults()
+    assert loaded(cache, A) == 3 * EXTENT_TOKENS and cache.loads.bad_extents == 0
 
 
 def test_a_conversation_tail_loads_back_bit_exact_and_a_bad_one_is_recomputed(
     tmp_path: Path,
 ) -> None:
-    turn = np.arange(2 * PAGE_TOKENS + 20, dtype=np.int64)  # ends inside page 2
+    turn = np.arange(2 * EXTENT_TOKENS + 20, dtype=np.int64)  # ends inside extent 2
     follow_up = np.concatenate([turn, np.arange(5000, 5030, dtype=np.int64)])
     for bad in (False, True):
-        cache = make_cache(tmp_path / str(bad), num_pages=4)
+        cache = make_cache(tmp_path / str(bad), num_extents=4)
         put(cache, turn)
-        cache.flush()  # pages 0, 1 and the tail page: tokens 128..148
-        assert cache.tree.num_l2_pages == 3
-        [tail] = [n.pages[-1] for n in cache.tree.root().l2_children.values()]  # type: ignore[index]
-        cache._pending.pop(int(tail)).result()
-        if bad:  # one flipped byte in the tail page's payload
+        cache.flush()  # extents 0, 1 and the tail extent: tokens 128..148
+        assert cache.tree.num_l2_extents == 3
+        [node] = l2_children(cache.tree.root()).values()
+        tail = extents_of(node)[-1]  # type: ignore[index]
+        cache.store.wait_writes()
+        if bad:  # one flipped byte in the tail extent's payload
             with open(tmp_path / str(bad) / "l2", "r+b") as f:
-                f.seek(int(tail) * cache.l2.page_bytes + HEADER_BYTES + 5)
+                f.seek(int(tail) * cache.store.file.extent_bytes + HEADER_BYTES + 5)
                 byte = f.read(1)
                 f.seek(-1, 1)
                 f.write(bytes([byte[0] ^ 1]))
-        assert loaded(cache, follow_up) == (2 * PAGE_TOKENS if bad else len(turn))
-        assert cache.l2_bad_pages == bad
-        slot = cache.kv.bytes_per_slot  # the tail page moved its 20 tokens' bytes, no more
+        assert loaded(cache, follow_up) == (2 * EXTENT_TOKENS if bad else len(turn))
+        assert cache.loads.bad_extents == bad
+        slot = cache.kv.bytes_per_slot  # the tail extent moved its 20 tokens' bytes, no more
         assert cache.l2_stats()["written_bytes"] == len(turn) * slot
         assert cache.l2_stats()["read_bytes"] == len(turn) * slot

@@ -1,6 +1,6 @@
 """The served L2 tier on a tiny model: with a pool so small that a conversation's KV leaves RAM
-between its turns, its pages go to disk and come back, and greedy outputs are identical with L2
-on, L2 off and the cache off; a corrupted page file is recomputed, never served."""
+between its turns, its extents go to disk and come back, and greedy outputs are identical with L2
+on, L2 off and the cache off; a corrupted extent file is recomputed, never served."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from typing import NamedTuple
 import pytest
 from engine_helpers import GREEDY, assert_idle, outputs, run, save_engine_model
 
-from radixlm.cache.tiered_cache import TieredRadixCache
+from radixlm.cache.l2.cache import TieredRadixCache
+from radixlm.cache.l2.extent_file import Faults
 from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
 from radixlm.engine.engine import Engine
 from radixlm.server.metrics import ServerMetrics
@@ -50,7 +51,7 @@ def engine(
 
 def script(eng: Engine, corrupt: Path | None = None) -> list[list[int]]:
     """Conversation A for three turns with fillers between its turns, each filler big enough
-    to push A out of the pool; returns every output. `corrupt`: the page file to scribble over
+    to push A out of the pool; returns every output. `corrupt`: the extent file to scribble over
     before the third turn."""
     rng = random.Random(7)
     words = lambda n: [rng.randrange(1, 250) for _ in range(n)]  # noqa: E731
@@ -60,7 +61,7 @@ def script(eng: Engine, corrupt: Path | None = None) -> list[list[int]]:
         out = outputs(run(eng, [prompt]))[0]
         outs.append(out)
         outs.append(outputs(run(eng, [fillers[turn % 2]]))[0])
-        if turn == 1 and corrupt is not None:  # every page written so far
+        if turn == 1 and corrupt is not None:  # every extent written so far
             with open(corrupt, "r+b") as f:
                 f.write(os.urandom(os.path.getsize(corrupt)))
         prompt = prompt + out + words(40)
@@ -72,7 +73,7 @@ def reference(model_dir: Path) -> list[list[int]]:
     return script(engine(model_dir, cache="none"))
 
 
-def test_pages_go_to_disk_and_come_back_with_identical_outputs(
+def test_extents_go_to_disk_and_come_back_with_identical_outputs(
     model_dir: Path, tmp_path: Path, reference: list[list[int]]
 ) -> None:
     assert script(engine(model_dir)) == reference
@@ -80,16 +81,16 @@ def test_pages_go_to_disk_and_come_back_with_identical_outputs(
     cache = tiered.cache
     assert isinstance(cache, TieredRadixCache)
     assert script(tiered) == reference
-    assert cache.l2_written_pages > 0 and cache.l2_hit_tokens >= 128  # turn 3 read turn 2's
-    assert cache.l2_bad_pages == 0
-    assert_idle(tiered)  # check_integrity: slots and the page account
+    assert cache.store.written_extents > 0 and cache.loads.hit_tokens >= 128  # turn 3 read turn 2's
+    assert cache.loads.bad_extents == 0
+    assert_idle(tiered)  # check_integrity: slots and the extent account
     snapshot = take_snapshot(tiered)  # what /v1/cache and /metrics show
     l2 = snapshot.to_dict()["l2"]
-    assert l2["hit_tokens"] == cache.l2_hit_tokens and l2["written_bytes"] > 0
-    assert l2["num_free_pages"] + l2["num_tree_pages"] == l2["num_pages"]
+    assert l2["hit_tokens"] == cache.loads.hit_tokens and l2["written_bytes"] > 0
+    assert l2["num_free_extents"] + l2["num_tree_extents"] == l2["num_extents"]
     text = ServerMetrics().render(snapshot).decode()
-    assert f"radixlm_l2_hit_tokens_total {float(cache.l2_hit_tokens)}" in text
-    assert f"radixlm_l2_load_seconds_count {float(cache.l2_loads)}" in text
+    assert f"radixlm_l2_hit_tokens_total {float(cache.loads.hit_tokens)}" in text
+    assert f"radixlm_l2_load_seconds_count {float(cache.loads.num_loads)}" in text
     assert "radixlm_l2_rejected_tokens_total" in text and 'radixlm_l2_pages{state="free"}' in text
 
 
@@ -100,28 +101,27 @@ def test_a_full_l2_keeps_outputs_identical(
     cache = tiered.cache
     assert isinstance(cache, TieredRadixCache)
     assert script(tiered) == reference
-    assert cache.l2_written_pages >= 2 and cache.l2.num_free == 0
-    assert cache.l2_hit_tokens >= 64  # the chain's head stayed: turn 3 still loads a prefix
+    assert cache.store.written_extents >= 2 and cache.store.file.num_free == 0
+    assert cache.loads.hit_tokens >= 64  # the chain's head stayed: turn 3 still loads a prefix
     assert_idle(tiered)
 
 
-def test_a_corrupted_page_file_is_recomputed(
+def test_a_corrupted_extent_file_is_recomputed(
     model_dir: Path, tmp_path: Path, reference: list[list[int]]
 ) -> None:
     tiered = engine(model_dir, l2_dir=tmp_path)
     cache = tiered.cache
     assert isinstance(cache, TieredRadixCache)
-    hits_before = []
-    original = cache._collect
+    seen = []  # (loads counted, hit tokens) as each read starts: before its load is counted
 
-    def collect(*args: object) -> tuple[int, bool]:
-        hits_before.append(cache.l2_hit_tokens)
-        return original(*args)  # type: ignore[arg-type]
+    def before_read(extent: int) -> None:
+        seen.append((cache.loads.num_loads, cache.loads.hit_tokens))
 
-    cache._collect = collect  # type: ignore[method-assign]
-    assert script(tiered, corrupt=tmp_path / "l2.pages") == reference
-    # the last load ran after the corruption: it found a bad page first and loaded nothing
-    assert cache.l2_bad_pages > 0 and cache.l2_hit_tokens == hits_before[-1]
+    cache.store.file.faults = Faults(read=before_read)
+    assert script(tiered, corrupt=tmp_path / "l2.extents") == reference
+    # the last load ran after the corruption: it found a bad extent first and loaded nothing
+    hits_before = [hits for loads, hits in seen if loads == cache.loads.num_loads - 1]
+    assert cache.loads.bad_extents > 0 and cache.loads.hit_tokens == hits_before[0]
     assert_idle(tiered)
 
 
@@ -138,14 +138,18 @@ def test_a_full_disk_is_logged_and_recomputed(
     cache = tiered.cache
     assert isinstance(cache, TieredRadixCache)
 
-    def full(page: int, key: bytes, payload: bytes) -> None:
+    def full(extent: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    cache.l2._pwrite = full  # type: ignore[method-assign]
+    cache.store.file.faults = Faults(write=full)
     with caplog.at_level(logging.WARNING):
         assert script(tiered) == reference
-    assert cache.l2_written_pages > 0 and cache.l2_bad_pages > 0 and cache.l2_hit_tokens == 0
-    assert "L2 page write failed" in caplog.text
+    assert (
+        cache.store.written_extents > 0
+        and cache.loads.bad_extents > 0
+        and cache.loads.hit_tokens == 0
+    )
+    assert "L2 extent write failed" in caplog.text
     assert_idle(tiered)
 
 
@@ -158,16 +162,15 @@ def on_disk(model_dir: Path, tmp_path: Path) -> tuple[Engine, list[int], threadi
     tiered = engine(model_dir, l2_dir=tmp_path)
     second = first + outputs(run(tiered, [first]))[0] + words(30)
     follow = second + outputs(run(tiered, [second]))[0] + words(30)  # a second turn: kept
-    run(tiered, [filler])  # the conversation's KV leaves RAM for the page file
+    run(tiered, [filler])  # the conversation's KV leaves RAM for the extent file
     cache = tiered.cache
     assert isinstance(cache, TieredRadixCache)
-    disk, fast = threading.Event(), cache.l2._pread
+    disk = threading.Event()
 
-    def slow(page: int, key: bytes, sink: Callable[[bytearray], None] | None) -> bytearray | None:
+    def slow(extent: int) -> None:
         disk.wait(10.0)
-        return fast(page, key, sink)
 
-    cache.l2._pread = slow  # type: ignore[method-assign]
+    cache.store.file.faults = Faults(read=slow)
     return tiered, follow, disk
 
 
@@ -179,7 +182,7 @@ def test_other_requests_compute_while_a_prefix_loads_from_disk(
     expected = outputs(run(engine(model_dir, cache="none"), [follow, short]))
     cache = tiered.cache
     assert isinstance(cache, TieredRadixCache)
-    hits = cache.l2_hit_tokens
+    hits = cache.loads.hit_tokens
     samples = [tiered.requests(tiered.add_request(p, GREEDY))[0] for p in (follow, short)]
     while not samples[1].finished:
         tiered.step()  # the short request runs to its end while the follow-up waits for disk
@@ -188,7 +191,7 @@ def test_other_requests_compute_while_a_prefix_loads_from_disk(
     while tiered.has_unfinished():
         tiered.step()
     assert [s.output_ids for s in samples] == expected
-    assert cache.l2_hit_tokens - hits >= 128 and cache.l2_read_timeouts == 0
+    assert cache.loads.hit_tokens - hits >= 128 and cache.loads.read_timeouts == 0
     assert_idle(tiered)
 
 
@@ -213,7 +216,7 @@ def test_one_shot_requests_never_reach_the_disk(model_dir: Path, tmp_path: Path)
     for prompt in prompts:  # 6 x 162 tokens through 400 slots: most are evicted
         run(tiered, [prompt])
     # a response continues its own request's turn: first turns only, so nothing is written
-    assert cache.l2_written_pages == 0 and cache.l2_rejected_tokens > 0
+    assert cache.store.written_extents == 0 and cache.tree.l2_rejected_tokens > 0
     second = prompts[-1] + outputs(run(tiered, [prompts[-1]]))[0] + [7] * 20
     run(tiered, [second])
     m = cache.tree.match(second)
@@ -227,16 +230,15 @@ def test_a_finished_turn_is_written_through_and_leaves_ram_without_a_write(
     plain = engine(model_dir, cache="none")
     tiered, cache, second, filler, words = _second_turn(model_dir, tmp_path, seed=17)
     assert outputs(run(tiered, [second])) == outputs(run(plain, [second]))
-    through = cache.l2_through_pages  # the second turn's path, written as it finished
-    assert through >= (len(second) + 11) // 64 and cache.l2_written_pages == through
-    for write in list(cache._pending.values()):
-        write.result()  # the I/O threads copied every page (as they would while others run)
+    through = cache.store.through_extents  # the second turn's path, written as it finished
+    assert through >= (len(second) + 11) // 64 and cache.store.written_extents == through
+    cache.store.wait_writes()  # the I/O threads copied every extent (as while others run)
     run(tiered, [filler])  # RAM evicts the conversation: its slots go, nothing is written
-    assert cache.l2_written_pages == through and cache.l2_settled_pages == 0
+    assert cache.store.written_extents == through and cache.store.settled_extents == 0
     assert cache.tree.num_l2_nodes > 0 and cache.tree.match(second).length == 0
     third = second + words(20)
     assert outputs(run(tiered, [third])) == outputs(run(plain, [third]))
-    assert cache.l2_hit_tokens >= through * 64 - 64  # all but a page the filler's pass took
+    assert cache.loads.hit_tokens >= through * 64 - 64  # all but an extent the filler's pass took
     assert_idle(tiered)
 
 
@@ -244,29 +246,28 @@ def test_aborts_and_evictions_while_a_write_through_waits_for_the_disk(
     model_dir: Path, tmp_path: Path
 ) -> None:
     tiered, cache, second, filler, _ = _second_turn(model_dir, tmp_path, seed=19)
-    disk, fast = threading.Event(), cache.l2._pwrite
+    disk = threading.Event()
 
-    def slow(page: int, key: bytes, payload: Callable[[], object]) -> None:
+    def slow(extent: int) -> None:
         disk.wait(10.0)  # before the staged payload is gathered: nothing is copied yet
-        fast(page, key, payload)  # type: ignore[arg-type]
 
-    cache.l2._pwrite = slow  # type: ignore[method-assign]
+    cache.store.file.faults = Faults(write=slow)
     rid = tiered.add_request(second, GREEDY)
     for _ in range(3):
         tiered.step()
     tiered.abort(rid)  # a second turn, aborted while decoding: its path is written through
-    assert cache.l2_through_pages > 0
+    assert cache.store.through_extents > 0
     assert_idle(tiered)
     rid = tiered.add_request(filler, GREEDY)
-    tiered.step()  # the filler's admission evicts the conversation: no page was copied yet
-    assert cache.l2_settled_pages > 0  # so eviction copied them before freeing the slots
+    tiered.step()  # the filler's admission evicts the conversation: no extent was copied yet
+    assert cache.store.settled_extents > 0  # so eviction copied them before freeing the slots
     tiered.abort(rid)
     assert_idle(tiered)
     disk.set()
     expected = outputs(run(engine(model_dir, cache="none"), [second]))
-    hits = cache.l2_hit_tokens
+    hits = cache.loads.hit_tokens
     assert outputs(run(tiered, [second])) == expected
-    assert cache.l2_hit_tokens - hits >= 128 and cache.l2_bad_pages == 0
+    assert cache.loads.hit_tokens - hits >= 128 and cache.loads.bad_extents == 0
     assert_idle(tiered)
 
 
@@ -301,20 +302,20 @@ def test_prompt_cache_retention_decides_what_reaches_the_disk(
     assert isinstance(cache, TieredRadixCache)
     keep = dataclasses.replace(GREEDY, cache_retention="24h")
     ram_only = dataclasses.replace(GREEDY, cache_retention="in_memory")
-    # A first turn is not admitted by default; "24h" writes it through as it finishes.
+    # A first turn is not worth writing by default; "24h" writes it through as it finishes.
     [out_first] = outputs(run(tiered, [first], keep))
     assert [out_first] == outputs(run(plain, [first]))
-    assert cache.l2_through_pages == cache.tree.num_l2_pages == 3  # 0..128, then 128..161
+    assert cache.store.through_extents == cache.tree.num_l2_extents == 3  # 0..128, then 128..161
     # "in_memory": nothing of it reaches the disk, not even a later turn that continues it,
-    # which would be admitted (turn 2) were it not below a RAM-only node.
-    written = cache.l2_written_pages
+    # which would be written (turn 2) were it not below a RAM-only node.
+    written = cache.store.written_extents
     out = outputs(run(tiered, [second], ram_only))[0]
     later = second + out + [rng.randrange(1, 250) for _ in range(30)]
     assert outputs(run(tiered, [later])) == outputs(run(plain, [later]))
     assert cache.tree.match(later).node.turn == 2
     run(tiered, [[rng.randrange(1, 250) for _ in range(380)]])  # evicts both from RAM
-    assert cache.l2_written_pages == written and cache.tree.peek_tiers(later) == 0
-    # The first conversation comes back from disk, its tail page too.
+    assert cache.store.written_extents == written and cache.tree.peek_tiers(later) == 0
+    # The first conversation comes back from disk, its tail extent too.
     again = first + out_first + [rng.randrange(1, 250) for _ in range(10)]
     assert cache.tree.peek_tiers(again) == len(first) + len(out_first) - 1
     assert outputs(run(tiered, [again])) == outputs(run(plain, [again]))

@@ -139,6 +139,27 @@ def test_kernel_matches_softmax_attention(built, batch, threads: int, dtypes) ->
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("dtypes", [*DTYPES, BF16_MODEL], ids=["f32", "f32-bf16kv", "bf16"])
+def test_a_request_gets_the_same_bits_alone_and_in_a_batch(built, dtypes) -> None:  # type: ignore[no-untyped-def]
+    """However the kernel splits its tasks (a lone request's query heads go to separate threads,
+    a batch's kv heads do), each request's output is bit for bit the same alone or batched."""
+    q_dtype, kv_dtype = dtypes
+    gen = torch.Generator().manual_seed(11)
+    k = torch.randn(NUM_SLOTS, 3, 64, generator=gen).to(kv_dtype)
+    v = torch.randn(NUM_SLOTS, 3, 64, generator=gen).to(kv_dtype)
+    slot_lists = [torch.randperm(NUM_SLOTS, generator=gen)[: 200 + 37 * i] for i in range(6)]
+    q = (torch.randn(6, 9, 64, generator=gen) * 3).to(q_dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        batched = built.decode(q, k, v, native.DecodeLayout(slot_lists, []))
+        for i, slots in enumerate(slot_lists):
+            alone = built.decode(q[i : i + 1], k, v, native.DecodeLayout([slots], []))
+            assert torch.equal(alone[0], batched[i]), i
+    finally:
+        torch.set_num_threads(before)
+
+
 def causal_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, prefix_len: int
 ) -> torch.Tensor:

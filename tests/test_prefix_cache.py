@@ -6,10 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from radixlm.cache import create_prefix_cache
 from radixlm.cache.integrity import IntegrityError
 from radixlm.cache.kv_pool import KVPool, OutOfSlotsError, SlotAllocator
 from radixlm.cache.no_cache import NoCache
-from radixlm.cache.prefix_cache import PrefixCache, RadixCache, create_prefix_cache
+from radixlm.cache.prefix_cache import PrefixCache, RadixCache
+from radixlm.cache.radix_tree import RadixTree
 from radixlm.config import CacheConfig
 
 
@@ -76,7 +78,7 @@ def test_duplicate_prefix_with_a_longer_own_tail() -> None:
 
 
 def test_page_size_4_keeps_the_partial_page_in_flight() -> None:
-    cache = RadixCache(SlotAllocator(64), page_size=4)
+    cache = RadixCache(SlotAllocator(64), RadixTree(page_size=4))
     m = cache.match(ids(*range(9)), None)
     cache.lock(m.node)
     slots = cache.alloc(10)
@@ -193,7 +195,7 @@ def test_random_request_streams_keep_the_account(seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     pool = KVPool(num_slots=96, num_layers=1, num_kv_heads=1, head_dim=2)
     for page_size in (1, 4):
-        cache = RadixCache(pool, page_size=page_size)
+        cache = RadixCache(pool, RadixTree(page_size=page_size))
         running: list[dict] = []
         for _ in range(1500):
             if running and (len(running) >= 4 or rng.random() < 0.5):

@@ -18,7 +18,16 @@ from radixlm.bench.random_gguf import SHAPES, random_tensor, write
 from radixlm.cache.kv_pool import KVPool
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.loader import load_causal_lm
-from radixlm.model.quant import MODES, QUANT_TYPES, QuantWeight, decode, quantize_q8_0, reference
+from radixlm.model.quant import (
+    MODES,
+    QUANT_TYPES,
+    FileBlocks,
+    QuantWeight,
+    decode,
+    layout,
+    quantize_q8_0,
+    reference,
+)  # fmt: skip
 from radixlm.model.transformer import CausalLM, Linear
 
 T = gguf.GGMLQuantizationType
@@ -36,7 +45,7 @@ def test_blocks_decode_to_what_gguf_dequantizes(qtype: T) -> None:
     blocks = decode(raw, qtype, (16, 512))
     expected = gguf.quants.dequantize(raw, qtype).reshape(16, 512)
     assert np.array_equal(blocks.dequantize(), expected)
-    assert blocks.bits == (4 if qtype in (T.Q4_0, T.Q4_1, T.Q4_K) else 8)
+    assert blocks.bits == {T.Q8_0: 8, T.Q5_K: 5, T.Q6_K: 6}.get(qtype, 4)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -90,6 +99,22 @@ def test_kernel_equals_its_reference(isa: str, mode: str, qtype: T) -> None:
     assert (bf16.float() - reference.linear(x.bfloat16(), weight).float()).abs().max() <= (
         1e-2 * expected.abs().max()
     )
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_embedding_rows_are_the_dequantized_rows(isa: str, mode: str, qtype: T) -> None:
+    """quant_rows (an embedding lookup in C) gives exactly the rows the gguf package
+    dequantizes, in float32, and those rows rounded to bfloat16."""
+    kernels = require_native_kernels(isa)
+    weight = QuantWeight(256, mode)
+    weight.add(decode(random_blocks(qtype, 24, 256, seed=8), qtype, (24, 256)), 0)
+    weight.add(decode(random_blocks(T.Q8_0, 8, 256, seed=9), T.Q8_0, (8, 256)), 24)
+    ids = torch.tensor([31, 0, 7, 24, 7, 13])
+    expected = weight.dequantize_rows(ids)
+    assert torch.equal(kernels.quant_rows(ids, weight, torch.float32), expected)
+    assert torch.equal(kernels.quant_rows(ids, weight, torch.bfloat16), expected.bfloat16())
 
 
 def test_kernel_refuses_what_does_not_fit() -> None:
@@ -213,3 +238,33 @@ def test_random_gguf_writes_every_mix(tmp_path: Path) -> None:
         model = load_causal_lm(path)
         qkv = model.model.layers[1].self_attn.qkv_proj.quant
         assert qkv is not None and qkv.parts[0].source == kind.removesuffix("_M")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_c_repacker_writes_the_records_numpy_packs(isa: str, mode: str, qtype: T) -> None:
+    """A file's blocks repacked in one C pass (with a row order, as llama's q/k rows are) are
+    byte for byte the records the numpy path decodes and packs."""
+    kernels = require_native_kernels(isa)
+    raw = random_blocks(qtype, 32, 512, seed=12)
+    order = np.random.default_rng(13).permutation(32)
+    for row_order in (None, order):
+        blocks = FileBlocks(raw.view(np.uint8), qtype, (32, 512), row_order)
+        expected = layout.pack(blocks.decode(), mode)
+        assert np.array_equal(kernels.repack_blocks(blocks, mode).numpy(), expected)
+
+
+def test_a_qwen2_file_with_biases_runs_as_its_dequantized_weights(tmp_path: Path) -> None:
+    """Qwen2's q/k/v biases beside quantized q/k/v weights: the layer loop adds them after the
+    integer matmul, and the logits are the float model's within float rounding."""
+    require_native_kernels()
+    path = write(str(tmp_path / "qwen2.gguf"), SHAPES["tiny-qwen2"], "Q4_K_M", seed=3,
+                 tokenizer_from=None)  # fmt: skip
+    exact = load_causal_lm(path, quant="exact")
+    assert exact.config.qkv_bias and exact.model.layers[0].self_attn.qkv_proj.quant is not None
+    ids = list(range(5, 40))
+    got, got_ids = forward_logits(exact, ids, 4)
+    expected, expected_ids = forward_logits(load_causal_lm(path, quant="float"), ids, 4)
+    assert (got - expected).abs().max() <= 2e-3 * expected.abs().max()
+    assert got_ids == expected_ids

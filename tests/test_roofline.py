@@ -50,3 +50,30 @@ def test_smollm2_layers_cost_about_0_21_gflop_per_token() -> None:
 def test_the_matmul_peak_timer_times_one_large_linear() -> None:
     seconds = matmul_peak_timer(torch.float32)()
     assert seconds > 0 and PEAK_FLOPS / seconds > 1e8  # any CPU does 0.1 GFLOP/s
+
+
+def test_a_decode_step_reads_the_quantized_records_not_the_float_weights(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """bench model's decode bytes: a model held as quantized records reads the records' bytes
+    (and a tied LM head's whole table), a float one its weights; both read B x C tokens' K/V."""
+    from test_native_kernel import require_native_kernels
+
+    from radixlm.bench.model_speed import _decode_bytes
+    from radixlm.bench.random_gguf import SHAPES, write
+    from radixlm.model.loader import load_causal_lm
+
+    require_native_kernels()
+    path = write(str(tmp_path / "q4_1.gguf"), SHAPES["tiny"], "Q4_1", tokenizer_from=None)
+    quantized, floats = load_causal_lm(path, quant="exact"), load_causal_lm(path, quant="float")
+    records = sum(m.quant.nbytes for m in quantized.modules() if isinstance(m, Linear) and m.quant)
+    kv, weights = _decode_bytes(quantized, 2, 100)
+    c = quantized.config
+    assert kv == 2 * 101 * 2 * c.num_layers * c.kv_size * 4
+    norms = sum(p.numel() * 4 for n, p in quantized.named_parameters() if "norm" in n)
+    assert weights == records + norms
+    float_kv, float_weights = _decode_bytes(floats, 2, 100)
+    linear_floats = sum(p.numel() for n, p in floats.named_parameters(remove_duplicate=False)
+                        if n.endswith("proj.weight") or n == "lm_head.weight")  # fmt: skip
+    assert float_kv == kv and float_weights == linear_floats * 4 + norms
+    assert _decode_bytes(quantized, 2, 100, blocks=False) == (float_kv, float_weights)

@@ -10,9 +10,9 @@ two are comparable on the same trace):
     cached += aligned(len(full)) - present
     with --inflight W: lock the inserted node, unlock it W requests later
 
-`--eviction` picks the L1 policy (lru | turn-credit | gdsf); `--l2-capacity` adds a simulated
-disk tier (bench/l2_sim.py: written through as each request finishes, or at L1 eviction) whose
-hits count separately. `--eval-from F` counts hits only over
+`--eviction` picks the L1 policy (lru | turn-credit | gdsf | adaptive); `--l2-capacity` adds a
+simulated disk tier (bench/l2_sim.py: written through as each request finishes, or at L1
+eviction by `--l2-write`) whose hits count separately. `--eval-from F` counts hits only over
 the requests after the first fraction F (tune on the head of a trace, report on its tail), and
 `--belady` adds, at the same capacity, LRU and Belady's clairvoyant hit rate (bench/belady.py)
 and the share of the LRU -> Belady gap that the chosen policy closes in RAM alone.
@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 
 from radixlm.bench.belady import belady
-from radixlm.bench.l2_sim import KV_BYTES_PER_TOKEN, L2Sim
+from radixlm.bench.l2_sim import KV_BYTES_PER_TOKEN, WRITE_RULES, L2Sim
 from radixlm.bench.traces import TraceRequest
-from radixlm.cache.eviction import POLICIES
+from radixlm.cache.policies import POLICIES
 from radixlm.cache.radix_tree import RadixTree, TreeNode
 
 
@@ -108,6 +108,7 @@ class ReplayResult:
         if self.l2 is not None:
             out |= {
                 "l2_capacity_tokens": self.l2.capacity,
+                "l2_write": self.l2.write_rule,
                 "eval_l2_hit_tokens": self.eval_l2_hit_tokens,
                 "eval_l2_hit_rate": round(self.eval_l2_hit_tokens / total, 4),
                 "l2_bytes_written": self.l2.written_tokens * KV_BYTES_PER_TOKEN,
@@ -126,14 +127,18 @@ def replay(
     policy: str = "lru",
     l2_capacity: int | None = None,
     eval_start: int = 0,
+    l2_write: str = "pressure",
 ) -> ReplayResult:
     """Drive a fresh RadixTree with `requests` (see the module docstring); None = unbounded.
-    With `l2_capacity`, L1 evictions feed a simulated L2 tier of that many tokens."""
+    With `l2_capacity`, L1 evictions feed a simulated L2 tier of that many tokens, which writes
+    what they evict by `l2_write` (bench/l2_sim.py's WRITE_RULES)."""
     tree = RadixTree(page_size=page_size, policy=policy)
     prompt_tokens = sum(r.prompt_len for r in requests)
     res = ReplayResult(len(requests), prompt_tokens, capacity, page_size, inflight)
     res.policy, res.eval_start = policy, eval_start
-    l2 = res.l2 = L2Sim(l2_capacity, tree.turns, page_size) if l2_capacity else None
+    l2 = None
+    if l2_capacity:
+        l2 = res.l2 = L2Sim(l2_capacity, tree.turns, page_size, write_rule=l2_write)
     if l2 is not None:
         tree.eviction_listener = l2.on_l1_evict
     clock = time.perf_counter
@@ -201,6 +206,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--l2-capacity", type=int, metavar="TOKENS", help="add a simulated L2 (disk) tier"
     )
     parser.add_argument(
+        "--l2-write", choices=WRITE_RULES, default="pressure",
+        help="what L2 writes of what RAM evicts: everything while it has room, then what the "
+        "write filter keeps (pressure); what the filter keeps (filter); everything (all)",
+    )  # fmt: skip
+    parser.add_argument(
         "--eval-from", type=float, default=0.0, metavar="F",
         help="count hits only after the first fraction F of the requests (e.g. 0.6)",
     )  # fmt: skip
@@ -240,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
     eval_start = int(args.eval_from * len(requests))
     summary = replay(
         requests, args.capacity, args.page_size, args.inflight,
-        args.eviction, args.l2_capacity, eval_start,
+        args.eviction, args.l2_capacity, eval_start, args.l2_write,
     ).summary()  # fmt: skip
     if args.belady and args.capacity:
         summary |= _against_belady(requests, args, eval_start, summary["eval_l1_hit_rate"])

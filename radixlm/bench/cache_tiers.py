@@ -19,7 +19,7 @@ from radixlm.bench.belady import belady
 from radixlm.bench.cache_replay import replay
 from radixlm.bench.host import describe_host
 from radixlm.bench.traces import TraceRequest, load_trace
-from radixlm.cache.eviction import POLICIES
+from radixlm.cache.policies import POLICIES
 
 INFLIGHT = 16
 

@@ -8,8 +8,11 @@ machine hurts both sides alike and rarely decides the ratio.
   decode    B requests, each with a C-token context already cached, greedy: ms per step, our
             ForwardBatch.build and argmax included. transformers: `generate` continuing a
             DynamicCache that holds the same context, (time(1 + S tokens) - time(1 token)) / S.
-  bandwidth bytes a decode step must read (every weight once + the K/V of B x C tokens) / step
-            time: the roofline number for a memory-bound step.
+  bandwidth bytes a decode step must read (every weight once, as each side holds it: float,
+            or quantized blocks + the K/V of B x C tokens) / step time, next to this host's
+            read bandwidth (a large sum timed in the same rounds): the roofline fraction.
+  quant     a GGUF's quantized weights run as integer blocks: ours = --quant's first mode
+            (exact), then ours_fast / ours_float for the others listed.
   pytorch   ours with the native kernels off (as RADIXLM_NATIVE=0 runs): PyTorch ops + oneDNN.
   roofline  each prefill row's GFLOP/s per side (roofline.prefill_flops / time) next to this
             host's matmul peak, a large F.linear timed in the same rounds (same threads, dtype
@@ -66,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-transformers", action="store_true", help="ours only")
     parser.add_argument("--no-pytorch", action="store_true", help="skip ours without kernels")
     parser.add_argument("--dense", action="store_true", help="also ours with unpacked weights")
+    parser.add_argument(
+        "--quant", default="exact,fast,float",
+        help="quantized weights: ours in each of these modes (the first is `ours`)",
+    )  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="profile one prefill and decode")
 
 
@@ -74,7 +81,12 @@ def run(args: argparse.Namespace) -> int:
     threads = args.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
     path = args.model or default_model_path()
-    sides: dict[str, Any] = {"ours": load_causal_lm(path, args.dtype)}
+    modes = args.quant.split(",")
+    sides: dict[str, Any] = {"ours": load_causal_lm(path, args.dtype, quant=modes[0])}
+    if _has_blocks(sides["ours"]):  # the other numerics are other sides
+        for mode in modes[1:]:
+            sides[f"ours_{mode}"] = load_causal_lm(path, args.dtype, quant=mode)
+    results_quant = modes[0] if _has_blocks(sides["ours"]) else "float"
     if not args.no_pytorch:
         sides["pytorch"] = _load_without_kernels(path, args.dtype)
     if args.dense:
@@ -84,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     # the file's name, not where it lies on this machine: the JSON is committed and compared
     model = args.model or "default (SmolLM2-135M-Instruct Q4_1)"
     results: dict[str, Any] = {"model": model, "dtype": args.dtype, "threads": threads}
+    results["quant"] = results_quant
     results.update(_setup())
     results.update(torch=torch.__version__, prefill=[], decode=[])
     print(f"model {path}  dtype {args.dtype}  threads {threads}  rounds {args.rounds}")
@@ -201,17 +214,23 @@ def _decode_row(sides: dict[str, Any], batch_size: int, args: argparse.Namespace
         else:
             rounds = args.rounds + 1
             timers[name] = _decode_timer(model, context, batch_size, args.steps, rounds)
+    read_timer, read_bytes = roofline.read_bandwidth_timer()
+    timers["read_bandwidth"] = read_timer
     best = _alternate(timers, args.rounds)
     row: dict[str, Any] = {"batch": batch_size, "context": args.context}
-    kv_bytes, weight_bytes = _decode_bytes(sides["ours"], batch_size, args.context)
-    row["read_mb_per_step"] = (kv_bytes + weight_bytes) / 1e6
+    row["host_read_gb_s"] = read_bytes / best.pop("read_bandwidth") / 1e9
+    float_mb = sum(_decode_bytes(sides["ours"], batch_size, args.context, blocks=False)) / 1e6
     for name in sides:
         if name == "transformers":
             ms = (best["transformers_n"] - best["transformers_1"]) / args.steps * 1e3
+            mb = float_mb  # transformers dequantizes a GGUF to float
         else:
             ms = best[name] / args.steps * 1e3
+            mb = sum(_decode_bytes(sides[name], batch_size, args.context)) / 1e6
         row[f"{name}_ms"] = ms
-        row[f"{name}_gb_s"] = row["read_mb_per_step"] / ms
+        row[f"{name}_read_mb"] = mb
+        row[f"{name}_gb_s"] = mb / ms
+        row[f"{name}_roofline"] = row[f"{name}_gb_s"] / row["host_read_gb_s"]
     return row
 
 
@@ -269,15 +288,32 @@ def _generate_timers(
     return (lambda: generate(1)), (lambda: generate(steps + 1))
 
 
-def _decode_bytes(model: CausalLM, batch_size: int, context: int) -> tuple[int, int]:
-    """(K/V bytes, weight bytes) one decode step reads: every weight once, K/V of B x C tokens."""
+def _has_blocks(model: CausalLM) -> bool:
+    return any(getattr(m, "quant", None) is not None for m in model.modules())
+
+
+def _decode_bytes(
+    model: CausalLM, batch_size: int, context: int, blocks: bool = True
+) -> tuple[int, int]:
+    """(K/V bytes, weight bytes) one decode step reads: every weight once (as the model holds
+    it: float, or quantized records; with `blocks` False, as float32 or the model's dtype),
+    K/V of B x C tokens. The input embedding is only indexed (B rows); a tied lm_head still
+    reads all of it."""
     c = model.config
     element = model.model.embed_tokens.weight.element_size()
     kv = batch_size * (context + 1) * 2 * c.num_layers * c.kv_size * element
-    # The input embedding is only indexed (B rows); a tied lm_head still reads all of it.
-    named = model.named_parameters(remove_duplicate=False)
-    weights = sum(p.numel() for name, p in named if not name.startswith("model.embed_tokens"))
-    return kv, weights * element
+    weights = 0
+    for name, module in model.named_modules():
+        if name == "model.embed_tokens":
+            continue
+        quant = getattr(module, "quant", None)
+        for pname, p in module.named_parameters(recurse=False):
+            if quant is not None and pname == "weight":
+                rows, cols = quant.out_features, quant.in_features
+                weights += quant.nbytes if blocks else rows * cols * element
+            else:
+                weights += p.numel() * element
+    return kv, weights
 
 
 def _profile(model: CausalLM, context: int) -> None:

@@ -1,4 +1,5 @@
-"""The compute roofline of a prefill: how many FLOPs it does, and how many this host can do.
+"""The rooflines: a prefill's FLOPs against this host's matmul rate, and a decode step's bytes
+against its read bandwidth.
 
 A prefill is compute-bound: every token goes through every projection, so its speed is judged
 against the host's matmul rate, not against memory bandwidth (decode's roofline, see
@@ -66,3 +67,20 @@ def matmul_peak_timer(dtype: torch.dtype) -> Callable[[], float]:
         return time.perf_counter() - start
 
     return timer
+
+
+READ_BYTES = 1 << 29  # the bandwidth probe's buffer: far larger than any cache
+
+
+def read_bandwidth_timer() -> tuple[Callable[[], float], int]:
+    """(timer, bytes): one call sums a READ_BYTES float32 buffer (a vectorized reduction) with
+    the process's threads and returns seconds: this host's read bandwidth, what a memory-bound
+    decode step can at best stream its weights at (decode's roofline)."""
+    buffer = torch.ones(READ_BYTES // 4, dtype=torch.float32)
+
+    def timer() -> float:
+        start = time.perf_counter()
+        buffer.sum()
+        return time.perf_counter() - start
+
+    return timer, READ_BYTES

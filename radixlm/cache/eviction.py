@@ -8,14 +8,14 @@ pushed (an LRU touch) is pushed again when it surfaces. That is exact as long as
 priority never decreases, which every policy here guarantees.
 
 Invariant: a node is a member iff `node.evict_seq != 0`, and every member has exactly one heap
-entry carrying its `evict_seq`, whose priority is <= the node's current priority. `L2Order` is
-the same heap for the L2 tier's leaves (cache/tiered_tree.py), by last access, on `l2_seq`.
+entry carrying its `evict_seq`, whose priority is <= the node's current priority. (The disk
+tier keeps the same kind of heap for its own leaves: `L2Order`, cache/l2/node.py.)
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -129,29 +129,19 @@ class GDSFPolicy:
             self.clock = node.priority
 
 
-POLICIES: dict[str, type[LRUPolicy] | type[TurnCreditPolicy] | type[GDSFPolicy]] = {
-    "lru": LRUPolicy,
-    "turn-credit": TurnCreditPolicy,
-    "gdsf": GDSFPolicy,
-}
-
-
-def make_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
-    """A policy instance from its name (see POLICIES) or the instance itself."""
-    if not isinstance(policy, str):
-        return policy
-    if policy not in POLICIES:
-        raise ValueError(f"unknown eviction policy {policy!r}; known: {sorted(POLICIES)}")
-    return POLICIES[policy]()
-
-
 class EvictionOrder:
-    """The evictable leaves of one tree in policy order (a lazy min-heap)."""
+    """The evictable leaves of one tree in policy order (a lazy min-heap).
+
+    A policy with `experts` (cache/adaptive.py) gets one heap per expert, each in that expert's
+    order, and `choose()` names the heap the next pop takes from; a member has one entry in
+    each, and a pop from one leaves the others' stale (they carry its old `evict_seq`)."""
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self.policy = policy
-        self._priority = policy.priority
-        self._heap: list[tuple[int, int, TreeNode]] = []
+        experts: tuple[EvictionPolicy, ...] = getattr(policy, "experts", (policy,))
+        self._priorities = [e.priority for e in experts]
+        self._heaps: list[list[tuple[int, int, TreeNode]]] = [[] for _ in experts]
+        self._choose: Callable[[], int] | None = getattr(policy, "choose", None)
         self._next_seq = 0
         self.num_members = 0
         self._compact_above = 1024  # heap length that triggers dropping stale entries
@@ -162,10 +152,11 @@ class EvictionOrder:
     def add(self, node: TreeNode) -> None:
         """Make `node` a member. The caller guarantees it is an unlocked leaf, not yet a member."""
         self._next_seq += 1
-        node.evict_seq = self._next_seq
-        heapq.heappush(self._heap, (self._priority(node), self._next_seq, node))
+        node.evict_seq = seq = self._next_seq
+        for priority, heap in zip(self._priorities, self._heaps, strict=True):
+            heapq.heappush(heap, (priority(node), seq, node))
         self.num_members += 1
-        if len(self._heap) > self._compact_above:
+        if len(self._heaps[0]) > self._compact_above:
             self._compact()
 
     def discard(self, node: TreeNode) -> None:
@@ -174,15 +165,17 @@ class EvictionOrder:
         self.num_members -= 1
 
     def pop(self) -> TreeNode:
-        """Remove and return the member with the smallest priority. Raises IndexError if empty."""
+        """Remove and return the member with the smallest priority (in the order `choose()`
+        names, with experts). Raises IndexError if empty."""
         if self.num_members == 0:
             raise IndexError("no evictable leaf")
-        heap = self._heap
+        k = 0 if self._choose is None else self._choose()
+        heap, priority_of = self._heaps[k], self._priorities[k]
         while True:
             priority, seq, node = heapq.heappop(heap)
             if node.evict_seq != seq:
                 continue  # stale: discarded, or re-added under a newer seq
-            current = self._priority(node)
+            current = priority_of(node)
             if current != priority:
                 heapq.heappush(heap, (current, seq, node))
                 continue
@@ -190,51 +183,21 @@ class EvictionOrder:
             self.num_members -= 1
             return node
 
-    def entries(self) -> Iterator[tuple[int, int, TreeNode]]:
-        """Every heap entry, stale ones included (for integrity checks)."""
-        return iter(self._heap)
+    def entries(self) -> Iterator[tuple[int, int, TreeNode, int]]:
+        """Every heap entry, stale ones included, with the node's current priority in that
+        heap's order: (filed priority, seq, node, current priority). For integrity checks."""
+        for priority_of, heap in zip(self._priorities, self._heaps, strict=True):
+            for priority, seq, node in heap:
+                yield priority, seq, node, priority_of(node)
+
+    @property
+    def num_heaps(self) -> int:
+        return len(self._heaps)
 
     def _compact(self) -> None:
-        live = [(self._priority(n), s, n) for _, s, n in self._heap if n.evict_seq == s]
-        heapq.heapify(live)
-        self._heap = live
-        # Stale entries are dropped in bulk once they may outnumber the live ones: amortised O(1).
-        self._compact_above = 2 * len(live) + 1024
-
-
-class L2Order:
-    """Nodes that L2 may evict, least recently used first (a lazy min-heap on last_access,
-    which never decreases). A node is a member iff `l2_seq != 0`."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, int, TreeNode]] = []
-        self._next_seq = 0
-        self.num_members = 0
-
-    def add(self, node: TreeNode) -> None:
-        self._next_seq += 1
-        node.l2_seq = self._next_seq
-        heapq.heappush(self._heap, (node.last_access, self._next_seq, node))
-        self.num_members += 1
-        if len(self._heap) > 2 * self.num_members + 1024:  # drop stale entries in bulk
-            live = [(n.last_access, s, n) for _, s, n in self._heap if n.l2_seq == s]
+        for k, priority_of in enumerate(self._priorities):
+            live = [(priority_of(n), s, n) for _, s, n in self._heaps[k] if n.evict_seq == s]
             heapq.heapify(live)
-            self._heap = live
-
-    def discard(self, node: TreeNode) -> None:
-        node.l2_seq = 0
-        self.num_members -= 1
-
-    def pop(self) -> TreeNode:
-        while True:
-            tick, seq, node = heapq.heappop(self._heap)
-            if node.l2_seq != seq:
-                continue
-            if node.last_access != tick:
-                heapq.heappush(self._heap, (node.last_access, seq, node))
-                continue
-            self.discard(node)
-            return node
-
-    def members(self) -> list[TreeNode]:
-        return [n for _, s, n in self._heap if n.l2_seq == s]
+            self._heaps[k] = live
+        # Stale entries are dropped in bulk once they may outnumber the live ones: amortised O(1).
+        self._compact_above = 2 * len(self._heaps[0]) + 1024

@@ -13,8 +13,9 @@ counter. A request's life, as the engine drives it:
     c = cache.commit(tokens, slots, ns, node)                 # after each prefill chunk / finish
     cache.release(c.node, c.slots[c.cached_len:])             # finish or abort
 
-`RadixCache` shares prefixes; `NoCache` (cache/no_cache.py) has the same interface and never
-reuses (the ablation).
+`RadixCache` shares prefixes through the tree it is given; `NoCache` (cache/no_cache.py) has the
+same interface and never reuses (the ablation). `create_prefix_cache` (cache/__init__.py) builds
+the one a config names, with a disk tier (cache/l2/) when it has one.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
+from radixlm.cache.integrity import IntegrityError
 from radixlm.cache.kv_pool import OutOfSlotsError
 from radixlm.cache.radix_tree import MatchResult, Namespace, RadixTree, TreeNode
 from radixlm.cache.tree_node import DEFAULT_RETENTION, TokenIds
-from radixlm.config import CacheConfig
 
 
 class SlotPool(Protocol):
@@ -62,7 +63,7 @@ class CacheStats(NamedTuple):
 
 
 class PendingMatch(ABC):
-    """A match whose continuation is loading from a lower tier (cache/l2_loads.py). The
+    """A match whose continuation is loading from a lower tier (cache/l2/loads.py). The
     caller keeps the request waiting until `ready()`, then calls `cache.finish_load`."""
 
     @abstractmethod
@@ -188,8 +189,6 @@ class PrefixCache(ABC):
 
     def check_accounting(self) -> None:
         """Raise IntegrityError unless free + tree-owned + in flight == capacity."""
-        from radixlm.cache.integrity import IntegrityError
-
         total = self.num_free + self.num_tree_tokens + self.num_in_flight
         if self.num_in_flight < 0 or total != self.capacity:
             raise IntegrityError(
@@ -210,11 +209,12 @@ class PrefixCache(ABC):
 
 
 class RadixCache(PrefixCache):
-    """Prefix sharing through a RadixTree (RadixAttention)."""
+    """Prefix sharing through a RadixTree (RadixAttention): `tree`, or a new LRU tree of page
+    size 1. The cache owns the tree from then on (only the cache calls it)."""
 
-    def __init__(self, pool: SlotPool, page_size: int = 1, policy: str = "lru") -> None:
+    def __init__(self, pool: SlotPool, tree: RadixTree | None = None) -> None:
         super().__init__(pool)
-        self.tree = RadixTree(page_size=page_size, policy=policy)
+        self.tree = RadixTree() if tree is None else tree
         # id(node) -> running requests whose last commit returned it (they hold it locked, so
         # the id cannot be reused while counted here)
         self._heads: dict[int, int] = {}
@@ -317,19 +317,3 @@ class RadixCache(PrefixCache):
             self.num_in_flight,
             self.capacity,
         )
-
-
-def create_prefix_cache(config: CacheConfig, pool: SlotPool) -> PrefixCache:
-    """The cache named by `config.cache` ("radix" or "none") over `pool`; with `l2_dir`, the
-    radix cache gets an L2 tier (cache/tiered_cache.py), or none if its file cannot be made."""
-    if config.cache == "radix" and config.l2_dir is not None:
-        from radixlm.cache.tiered_cache import open_tiered_cache
-
-        tiered = open_tiered_cache(config, pool)
-        if tiered is not None:
-            return tiered
-    if config.cache == "radix":
-        return RadixCache(pool, page_size=config.page_size, policy=config.eviction)
-    from radixlm.cache.no_cache import NoCache
-
-    return NoCache(pool)

@@ -13,6 +13,11 @@ Ownership and invariants (check_integrity verifies each one):
 - the eviction order holds exactly the unlocked leaves; evictable + protected = cached tokens;
 - different namespaces (cache salts) hang under different roots and never share a node.
 
+A lower tier (the disk, cache/l2/) extends the tree through two hooks, where a node crosses the
+edge of RAM: `_leave_ram` (an evicted leaf leaves RAM) and `_below_ram` (an insert runs past
+what RAM holds); it also extends `_split`, since what it keeps on a node divides with its edge.
+The tree itself never reads what a lower tier keeps (`TreeNode.l2`).
+
 Keys are stored as the raw bytes of int64 token ids. A query is turned into bytes once per call;
 following an edge is then one `bytes.startswith` at an offset (a memcmp: no per-token Python loop,
 no slice copy), and only the single edge where a walk diverges is searched with numpy for the
@@ -25,7 +30,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from radixlm.cache.eviction import EvictionOrder, EvictionPolicy, make_policy
+from radixlm.cache.eviction import EvictionOrder, EvictionPolicy
+from radixlm.cache.integrity import check_tree
+from radixlm.cache.policies import make_policy
 from radixlm.cache.tree_node import (
     DEFAULT_RETENTION,
     I64,
@@ -151,9 +158,10 @@ class RadixTree:
 
         Returns how many leading tokens were already cached: for those the tree keeps its own
         slots and the caller still owns (and must free) `slots[:prefix_len]` unless they are the
-        tree's. The slots of the rest become tree-owned (a new leaf, or nodes an L2 tier held
-        without slots). Touches the path like match. `continues`: the node the same request
-        inserted last; a new leaf right below it is that request's tail, not a new turn.
+        tree's. The slots of the rest become tree-owned (a new leaf, or nodes a lower tier held
+        without slots: `_below_ram`). Touches the path like match. `continues`: the node the
+        same request inserted last; a new leaf right below it is that request's tail, not a new
+        turn.
         `retention`: the request's (tree_node.RAM_ONLY / KEEP), given to a new leaf; a leaf
         below a RAM_ONLY node is RAM_ONLY too.
         """
@@ -168,8 +176,8 @@ class RadixTree:
         root = self._roots.get(namespace) or self.root(namespace)
         node, pos = self._walk(root, buf, tick, None)
         prefix_len = pos // TOKEN_BYTES
-        if pos < len(buf) and node.l2_children:
-            node, pos = self._claim_lower_tier(node, buf, pos, slots, tick)
+        if pos < len(buf):
+            node, pos = self._below_ram(node, buf, pos, slots, tick)
         if pos < len(buf):
             end = len(buf) // TOKEN_BYTES
             if continues is not None and node is continues:
@@ -233,7 +241,7 @@ class RadixTree:
             self.turns.evicted(node)
             num_freed += len(node.value)
             freed.append(node.value)
-            self._leave_l1(node)
+            self._leave_ram(node)
         self.evictable_tokens -= num_freed
         self._evicted_tokens += num_freed
         slots = freed[0] if len(freed) == 1 else np.concatenate(freed) if freed else NO_SLOTS
@@ -285,36 +293,44 @@ class RadixTree:
 
     def check_integrity(self) -> None:
         """Verify every invariant; raises IntegrityError naming the first broken one."""
-        from radixlm.cache.integrity import check_tree
-
         check_tree(self)
+
+    # -- the lower tier's hooks ------------------------------------------------------------
+
+    def _leave_ram(self, node: TreeNode) -> None:
+        """Hook: an evicted leaf (its slots already counted as freed) leaves RAM. Here it leaves
+        the tree; its parent may become an evictable leaf, or an empty tenant root is forgotten.
+        A lower tier may keep the node instead."""
+        parent = node.parent
+        assert parent is not None  # roots are never members
+        self._unlink(node)
+        self._child_left_ram(parent)
+        if parent.parent is None and not parent.children and parent.namespace is not None:
+            self._roots.pop(parent.namespace, None)
+
+    def _below_ram(
+        self, node: TreeNode, buf: bytes, pos: int, slots: np.ndarray, tick: int
+    ) -> tuple[TreeNode, int]:
+        """Hook: an insert of `buf` (with `slots`) reached `node`, the end of what RAM holds,
+        at byte `pos` with tokens left. Returns where a new leaf for the rest hangs, and from
+        which byte; a lower tier may first give its nodes there the slots. Here: nothing."""
+        return node, pos
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _leave_l1(self, node: TreeNode) -> None:
-        """Take an evicted leaf (its slots already counted as freed) out of the tree; its parent
-        may become an evictable leaf. A tree with an L2 tier keeps it there instead."""
+    def _unlink(self, node: TreeNode) -> None:
+        """Take a node without RAM children out of its parent's `children`; it is evicted."""
         parent = node.parent
-        assert parent is not None  # roots are never members
+        assert parent is not None
         del parent.children[node.key[: self._page_bytes]]
         node.depth = -1
         self.num_nodes -= 1
-        self._after_child_left(parent)
 
-    def _after_child_left(self, parent: TreeNode) -> None:
-        """`parent` lost an L1 child: it may be an evictable leaf now, or an empty tenant root."""
-        if not parent.children and parent.lock_ref == 0:
-            if parent.parent is not None:
-                if not parent.evict_seq:
-                    self._order.add(parent)
-            elif parent.namespace is not None and not parent.l2_children:
-                self._roots.pop(parent.namespace, None)  # forget an empty tenant root
-
-    def _claim_lower_tier(
-        self, node: TreeNode, buf: bytes, pos: int, slots: np.ndarray, tick: int
-    ) -> tuple[TreeNode, int]:
-        """Where an insert continues past the RAM tier: a tree without L2 has nothing there."""
-        return node, pos
+    def _child_left_ram(self, parent: TreeNode) -> None:
+        """`parent` lost a child in RAM: it may be an evictable leaf now."""
+        if parent.children or parent.lock_ref or parent.evict_seq or parent.parent is None:
+            return
+        self._order.add(parent)
 
     def _page_bytes_of(self, ids: np.ndarray) -> bytes:
         """The whole pages of `ids` as bytes (the form keys are compared in)."""
@@ -380,12 +396,11 @@ class RadixTree:
         upper.priority = child.priority
         upper.retention = child.retention
         upper.lock_ref = child.lock_ref
-        in_ram = len(child.value) > 0  # a node held on L2 only hangs in `l2_children`
-        (parent.children if in_ram else parent.l2_children)[child.key[: self._page_bytes]] = upper
+        parent.children[child.key[: self._page_bytes]] = upper
         child.key = child.key[cut:]
         child.value = child.value[k:]
         child.parent = upper
-        (upper.children if in_ram else upper.l2_children)[child.key[: self._page_bytes]] = child
+        upper.children[child.key[: self._page_bytes]] = child
         self.num_nodes += 1
         self._num_splits += 1
         return upper

@@ -4,17 +4,19 @@
 `value` their KV slot ids. Callers only hold nodes that they locked (or got from the match
 they are about to lock); `depth` is -1 once a node was evicted.
 
-With an L2 tier (cache/tiered_tree.py) a node may also hold disk pages (`pages`), and a node
-whose RAM slots were dropped (`value` empty) hangs in its parent's `l2_children` instead of
-`children`, so every walk over `children` sees exactly the RAM tier (L1).
+With a disk tier (cache/l2/) a node carries that tier's state in one optional record, `l2`
+(cache/l2/node.py); the radix tree itself never reads it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from radixlm.cache.l2.node import L2Node
 
 Namespace = str | None
 TokenIds = np.ndarray | Sequence[int]  # token ids as given; the tree compares int64 bytes
@@ -38,15 +40,11 @@ class TreeNode:
         "evict_seq",
         "hits",
         "key",
-        "l2_children",
-        "l2_kids",
-        "l2_pinned",
-        "l2_seq",
+        "l2",
         "last_access",
         "lock_ref",
         "namespace",
         "own_locks",
-        "pages",
         "parent",
         "priority",
         "retention",
@@ -73,16 +71,11 @@ class TreeNode:
         self.turn_below = 0  # the deepest turn among its evicted descendants (cache/turns.py)
         self.priority = 0  # kept by policies that store their priority (never lowered)
         self.retention = DEFAULT_RETENTION  # RAM_ONLY, DEFAULT_RETENTION or KEEP (above)
-        # The L2 tier (cache/tiered_tree.py); untouched without one.
-        self.pages: np.ndarray | None = None  # L2 page ids of the pages ending in this edge
-        self.l2_children: dict[bytes, TreeNode] = {}  # children held on L2 only (no slots)
-        self.l2_kids = 0  # children (either dict) that hold pages
-        self.l2_seq = 0  # != 0 while the node is in the L2 eviction order
-        self.l2_pinned = False  # a load is reading this node's chain: not evictable from L2
+        self.l2: L2Node | None = None  # the disk tier's record (cache/l2/node.py), if any
 
     @property
     def num_tokens(self) -> int:
-        """Tokens on the edge (its slots when in RAM; none of them when held on L2 only)."""
+        """Tokens on the edge (its slots when in RAM; none of them when held on disk only)."""
         return len(self.key) // TOKEN_BYTES
 
     @property

@@ -40,9 +40,9 @@ _HELP = {
     "cache": "radix reuses cached prefixes; none is the ablation",
     "kv_dtype": "the KV pool's dtype (default: the model's)",
     "eviction": "lru; turn-credit (later turns live longer); gdsf (costlier prefixes live "
-    "longer); docs/cache.md",
-    "l2_dir": "a directory for the L2 page file (KV on disk under the tree; default: none)",
-    "l2_capacity": "tokens of KV the L2 page file holds",
+    "longer); adaptive (learns online which order to follow); docs/cache.md",
+    "l2_dir": "a directory for the L2 extent file (KV on disk under the tree; default: none)",
+    "l2_capacity": "tokens of KV the L2 extent file holds",
     "max_running_requests": "requests decoding together",
     "max_batch_tokens": "tokens one forward pass may compute",
     "chunk_size": "the longest prefill chunk of one request per step",
@@ -67,6 +67,8 @@ _HELP = {
     "max_queued_tokenizations": "prompts waiting for a tokenizer thread; more is a 503",
     "metrics_snapshot_ttl_s": "/metrics reuses an engine snapshot this young",
     "cache_page_text": "the /cache page shows token text (prompts are private)",
+    "max_stored_responses": "stored responses (the Responses API) per cache namespace",
+    "max_stored_response_bytes": "bytes of stored responses, all namespaces together",
 }
 
 # ServerConfig fields with a flag of their own; api_keys comes from --api-key / --api-key-file.
@@ -75,6 +77,7 @@ _SERVER_FLAGS = (
     "max_body_bytes", "body_timeout_s", "body_idle_timeout_s", "header_timeout_s",
     "max_concurrent_tokenizations",
     "max_queued_tokenizations", "metrics_snapshot_ttl_s", "worker_id", "cache_page_text",
+    "max_stored_responses", "max_stored_response_bytes",
 )  # fmt: skip
 
 

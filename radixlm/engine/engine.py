@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.agents.grammar import GrammarError
-from radixlm.cache.prefix_cache import create_prefix_cache
+from radixlm.cache import create_prefix_cache
 from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
 from radixlm.engine.request import Request, RequestState
 from radixlm.engine.runner import ModelRunner

@@ -1,5 +1,5 @@
 """Which kernels a model runs: a Backend object chosen once when the model is loaded, then
-handed to every layer, which calls its methods (plan, rope_store, attend, add_rms_norm,
+handed to every layer, which calls its methods (plan, embed, rope_store, attend, add_rms_norm,
 silu_mul, linear, decode_layers) and never asks which backend it holds.
 
 `Backend.choose(model, kernels)` decides it from the model (device, dtype, head size, biases,
@@ -48,7 +48,14 @@ from radixlm.model.quant import reference as quant_reference
 from radixlm.model.rope import apply_rope
 
 if TYPE_CHECKING:
-    from radixlm.model.transformer import Attention, CausalLM, DecoderLayer, ForwardContext, Linear
+    from radixlm.model.transformer import (
+        Attention,
+        CausalLM,
+        DecoderLayer,
+        Embedding,
+        ForwardContext,
+        Linear,
+    )
 
 
 class FusedDecode:
@@ -87,7 +94,9 @@ class FusedDecode:
         q = linear.quant
         fields = [int(q.mode == "fast"), len(q.parts)]
         for p in q.parts:
-            fields += [p.records.data_ptr(), p.out_features, p.start, p.bits, p.sub, p.has_min]
+            fields += [
+                p.records.data_ptr(), p.out_features, p.start, p.bits, p.sub, p.has_min, p.kscale
+            ]  # fmt: skip
         descriptor = torch.tensor(fields, dtype=torch.int64)
         self.descriptors.append(descriptor)
         return descriptor.data_ptr()
@@ -219,6 +228,10 @@ class Backend(ABC):
     def linear(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
         """x (M, in) @ W^T (+ b) -> (M, out), by the route `matmul_route` names."""
 
+    def embed(self, embedding: Embedding, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings (T, hidden) of input_ids (T,), in the model's dtype."""
+        return embedding(input_ids)
+
     def decode_layers(
         self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
         plan: AttentionPlan, pool: KVPool,
@@ -325,6 +338,11 @@ class NativeBackend(Backend):
         else:
             return packed_linear.linear(x, linear.weight, linear.bias)
         return y if linear.bias is None else y + linear.bias
+
+    def embed(self, embedding: Embedding, input_ids: torch.Tensor) -> torch.Tensor:
+        if embedding.quant is None:
+            return embedding(input_ids)
+        return self.kernels.quant_rows(input_ids, embedding.quant, embedding.weight.dtype)
 
     def decode_layers(
         self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,

@@ -20,7 +20,7 @@ import gguf
 import numpy as np
 import torch
 
-from radixlm.model.quant.blocks import QUANT_TYPES, Blocks, decode
+from radixlm.model.quant.blocks import QUANT_TYPES, FileBlocks
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
 GGUF_TO_HF = {
@@ -108,9 +108,10 @@ class GGUFCheckpoint:
 
     def weights(
         self, keep_blocks: Callable[[str], bool] | None = None
-    ) -> Iterator[tuple[str, torch.Tensor | Blocks]]:
+    ) -> Iterator[tuple[str, torch.Tensor | FileBlocks]]:
         """(Hugging Face name, float32 tensor) for every tensor, dequantized one at a time; or
-        (name, Blocks) for the quantized ones `keep_blocks(name)` asks to keep."""
+        (name, FileBlocks: the file's bytes, not decoded) for the quantized ones
+        `keep_blocks(name)` asks to keep."""
         num_heads = int(self._field(f"{self.arch}.attention.head_count"))
         num_kv_heads = int(self._field(f"{self.arch}.attention.head_count_kv", num_heads))
         quantized = self.quantized()
@@ -124,10 +125,11 @@ class GGUFCheckpoint:
             shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists dims fastest-first
             if keep_blocks is not None and name in quantized and keep_blocks(name):
                 rows, cols = shape
-                blocks = decode(tensor.data, tensor.tensor_type, (rows, cols))
+                order = None
                 if heads is not None:  # rope's row order, on whole rows of blocks
-                    blocks = blocks.take_rows(_unpermute_rope_rows(np.arange(rows), heads))
-                yield name, blocks
+                    order = np.ascontiguousarray(_unpermute_rope_rows(np.arange(rows), heads))
+                raw = np.asarray(tensor.data).view(np.uint8)
+                yield name, FileBlocks(raw, tensor.tensor_type, (rows, cols), order)
                 continue
             try:
                 array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)

@@ -25,7 +25,7 @@ import torch
 from radixlm.model import native
 from radixlm.model.arch import ArchConfig
 from radixlm.model.gguf_file import GGUFCheckpoint, hf_name
-from radixlm.model.quant import MODES, Blocks, QuantWeight, quantize_q8_0
+from radixlm.model.quant import MODES, Blocks, FileBlocks, QuantWeight, Repack, quantize_q8_0
 from radixlm.model.rope import inverse_frequencies
 from radixlm.model.transformer import FUSED_WEIGHTS, MLP, Attention, CausalLM, Embedding, Linear
 
@@ -141,7 +141,7 @@ def load_causal_lm(
         keep = quant_targets(model, types)
         if mode != "float":
             _log_dequantized(checkpoint, model, keep)
-        weights: Iterable[tuple[str, torch.Tensor | Blocks]] = checkpoint.weights(
+        weights: Iterable[tuple[str, torch.Tensor | Blocks | FileBlocks]] = checkpoint.weights(
             lambda name: _resolve(model, name)[0] in keep
         )
     else:
@@ -149,7 +149,8 @@ def load_causal_lm(
         keep = quant_targets(model, every) if quantize != "none" and mode != "float" else set()
         weights = _safetensors_weights(path)
     shapes = materialize(model, keep)
-    load_weights(model, weights, progress, shapes, "exact" if mode == "float" else mode)
+    repack = kernels.repack_blocks if kernels is not None else None
+    load_weights(model, weights, progress, shapes, "exact" if mode == "float" else mode, repack)
     model = model.to(torch_device).eval()
     if pack_weights:
         if progress is not None:
@@ -201,14 +202,16 @@ def materialize(model: CausalLM, keep: set[str]) -> dict[str, torch.Size]:
 
 def load_weights(
     model: CausalLM,
-    weights: Iterable[tuple[str, torch.Tensor | Blocks]],
+    weights: Iterable[tuple[str, torch.Tensor | Blocks | FileBlocks]],
     progress: LoadProgress | None = None,
     shapes: dict[str, torch.Size] | None = None,
     mode: str = "exact",
+    repack: Repack | None = None,
 ) -> None:
-    """Copy (Hugging Face name, tensor or Blocks) pairs into `model`; every parameter must be
+    """Copy (Hugging Face name, tensor or blocks) pairs into `model`; every parameter must be
     filled. Weights whose parameter is an empty placeholder (`materialize`) are held as blocks
-    in the module's `quant` (a float tensor is quantized to Q8_0 first), in `mode`'s layout.
+    in the module's `quant` (a float tensor is quantized to Q8_0 first), in `mode`'s layout;
+    a file's blocks are repacked by `repack` (the C repacker) where given.
 
     q/k/v_proj land in row blocks of qkv_proj, gate/up_proj in gate_up_proj (`FUSED_WEIGHTS`).
     Raises ValueError for an unknown name, a shape mismatch, or a parameter left unfilled.
@@ -228,13 +231,13 @@ def load_weights(
         full = shapes[target]
         start, stop, _ = rows.indices(full[0])
         expected = (stop - start, *full[1:])
-        got = tuple(tensor.q.shape if isinstance(tensor, Blocks) else tensor.shape)
+        got = tuple(tensor.q.shape) if isinstance(tensor, Blocks) else tuple(tensor.shape)
         if got != expected:
             raise ValueError(f"weight {name!r}: checkpoint shape {got}, model expects {expected}")
         if params[target].numel() == 0 and full.numel() > 0:  # held as blocks
-            _add_blocks(model, target, tensor, start, full, mode)
+            _add_blocks(model, target, tensor, start, full, mode, repack)
         else:
-            if isinstance(tensor, Blocks):
+            if not isinstance(tensor, torch.Tensor):
                 raise ValueError(f"weight {name!r}: blocks for a float parameter")
             with torch.no_grad():
                 params[target].data[rows].copy_(tensor)
@@ -252,10 +255,11 @@ def load_weights(
 def _add_blocks(
     model: CausalLM,
     target: str,
-    tensor: torch.Tensor | Blocks,
+    tensor: torch.Tensor | Blocks | FileBlocks,
     start: int,
     full: torch.Size,
     mode: str,
+    repack: Repack | None,
 ) -> None:
     module = model.get_submodule(target.rpartition(".")[0])
     assert isinstance(module, (Linear, Embedding))
@@ -263,7 +267,7 @@ def _add_blocks(
         module.quant = QuantWeight(int(full[1]), mode)
     if isinstance(tensor, torch.Tensor):
         tensor = quantize_q8_0(tensor.float().numpy())
-    module.quant.add(tensor, start)
+    module.quant.add(tensor, start, repack)
 
 
 def _parts_of(model: CausalLM, target: str) -> list[str]:

@@ -36,10 +36,11 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from radixlm.model import native_build
-from radixlm.model.native_abi import NativeFunction, bind
+from radixlm.model.native_abi import NativeError, NativeFunction, bind
 from radixlm.model.native_layout import (
     KV_DTYPES,
     DecodeLayout,
@@ -66,7 +67,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from radixlm.model.quant import QuantWeight
+    from radixlm.model.quant import FileBlocks, QuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -221,22 +222,71 @@ class Kernels:
         fast = int(weight.mode == "fast")
         xq = torch.empty(num_rows, k, dtype=torch.int8 if fast else torch.int16)
         sx = torch.empty(num_rows, k // 32, dtype=torch.float32)
-        bsum = torch.empty(num_rows, k // 32, dtype=torch.int32)
+        sxb = torch.empty(num_rows, k // 32, dtype=torch.float32)
         bf16, threads = int(x.dtype == torch.bfloat16), torch.get_num_threads()
         self._fn["quantize_rows"](
             x=x.data_ptr(), M=num_rows, K=k, bf16=bf16, fast=fast, xq=xq.data_ptr(),
-            sx=sx.data_ptr(), bsum=bsum.data_ptr(), num_threads=threads,
+            sx=sx.data_ptr(), sxb=sxb.data_ptr(), num_threads=threads,
         )  # fmt: skip
         n = weight.out_features
         y = x.new_empty(num_rows, n)
         for part in weight.parts:
             self._fn["quant_matmul"](
-                xq=xq.data_ptr(), sx=sx.data_ptr(), bsum=bsum.data_ptr(), M=num_rows, K=k,
+                xq=xq.data_ptr(), sx=sx.data_ptr(), sxb=sxb.data_ptr(), M=num_rows, K=k,
                 fast=fast, w=part.records.data_ptr(), N=part.out_features, bits=part.bits,
-                sub=part.sub, has_min=int(part.has_min), y=y[:, part.start :].data_ptr(),
+                sub=part.sub, has_min=int(part.has_min), kscale=int(part.kscale),
+                y=y[:, part.start :].data_ptr(),
                 y_stride=n, y_bf16=bf16, num_threads=threads,
             )  # fmt: skip
         return y
+
+    def repack_blocks(self, blocks: FileBlocks, mode: str) -> torch.Tensor:
+        """A file's blocks as records for `mode` (quant/layout.py's, made in one C pass):
+        (rows/8, cols/32, record bytes) uint8. Raises ValueError where the kernels cannot hold
+        them (a shape off the record grid, a Q4_0 scale whose -8 d is not a half)."""
+        from radixlm.model.quant import layout, record_format
+
+        rows, cols = blocks.shape
+        bits, sub, has_min, kscale = record_format(blocks.qtype)
+        size = layout.record_bytes(bits, sub, has_min, kscale)
+        out = torch.empty(rows // 8, cols // 32, size, dtype=torch.uint8)
+        raw = np.ascontiguousarray(blocks.raw)  # the file's mapping: read in place
+        order = None
+        if blocks.row_order is not None:
+            order = np.ascontiguousarray(blocks.row_order, dtype=np.int64)
+        try:
+            self._fn["repack_blocks"](
+                raw=raw.ctypes.data, qtype=int(blocks.qtype), rows=rows, cols=cols,
+                row_order=None if order is None else order.ctypes.data,
+                fast=int(mode == "fast"), records=out.data_ptr(),
+                num_threads=torch.get_num_threads(),
+            )  # fmt: skip
+        except NativeError as e:
+            raise ValueError(f"{blocks.qtype.name} blocks of shape {blocks.shape}: {e}") from e
+        return out
+
+    def quant_rows(
+        self, ids: torch.Tensor, weight: QuantWeight, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Rows `ids` of a quantized weight as `dtype` (float32 or bfloat16): an embedding
+        lookup, each value rounded as the gguf package dequantizes it."""
+        if dtype not in KV_DTYPES:
+            raise ValueError(f"quant_rows: {dtype} rows")
+        ids = ids.to(torch.int64)
+        out = torch.empty(ids.numel(), weight.in_features, dtype=dtype)
+        for part in weight.parts:
+            inside = (ids >= part.start) & (ids < part.start + part.out_features)
+            rows = (ids[inside] - part.start).contiguous()
+            got = torch.empty(rows.numel(), weight.in_features, dtype=dtype)
+            self._fn["quant_rows"](
+                w=part.records.data_ptr(), rows=rows.data_ptr(), num_rows=rows.numel(),
+                N=part.out_features, K=weight.in_features, fast=int(weight.mode == "fast"),
+                bits=part.bits, sub=part.sub, has_min=int(part.has_min),
+                kscale=int(part.kscale), out=got.data_ptr(),
+                out_bf16=int(dtype == torch.bfloat16),
+            )  # fmt: skip
+            out[inside] = got
+        return out
 
     def decode_layers(
         self,

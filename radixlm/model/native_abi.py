@@ -57,12 +57,21 @@ SIGNATURES: dict[str, tuple[tuple[str, Any], ...]] = {
     ),
     "quantize_rows": (
         ("x", P), ("M", I64), ("K", I64), ("bf16", I32), ("fast", I32), ("xq", P), ("sx", P),
-        ("bsum", P), ("num_threads", I32),
+        ("sxb", P), ("num_threads", I32),
     ),
     "quant_matmul": (
-        ("xq", P), ("sx", P), ("bsum", P), ("M", I64), ("K", I64), ("fast", I32), ("w", P),
-        ("N", I64), ("bits", I32), ("sub", I32), ("has_min", I32), ("y", P), ("y_stride", I64),
-        ("y_bf16", I32), ("num_threads", I32),
+        ("xq", P), ("sx", P), ("sxb", P), ("M", I64), ("K", I64), ("fast", I32), ("w", P),
+        ("N", I64), ("bits", I32), ("sub", I32), ("has_min", I32), ("kscale", I32), ("y", P),
+        ("y_stride", I64), ("y_bf16", I32), ("num_threads", I32),
+    ),
+    "repack_blocks": (
+        ("raw", P), ("qtype", I32), ("rows", I64), ("cols", I64), ("row_order", P),
+        ("fast", I32), ("records", P), ("num_threads", I32),
+    ),
+    "quant_rows": (
+        ("w", P), ("rows", P), ("num_rows", I64), ("N", I64), ("K", I64), ("fast", I32),
+        ("bits", I32), ("sub", I32), ("has_min", I32), ("kscale", I32), ("out", P),
+        ("out_bf16", I32),
     ),
 }  # fmt: skip
 

@@ -257,7 +257,7 @@ class CausalLM(nn.Module):
         self._check_fits(batch, pool)
         c = self.config
         backend = self.backend.for_pool(pool)
-        h = self.model.embed_tokens(batch.input_ids)  # (T, hidden)
+        h = backend.embed(self.model.embed_tokens, batch.input_ids)  # (T, hidden)
         plan = backend.plan(batch, c.num_kv_heads, c.head_dim, pool.dtype)
         rope_dtype = backend.rope_dtype(h.dtype, c.qk_norm)
         rope = rope_cos_sin(batch.positions, self.inv_freq, rope_dtype)

@@ -41,6 +41,8 @@ from radixlm.server.errors import APIError
 from radixlm.server.protocol import MAX_BATCH_PROMPTS, ChatMessage
 
 T = TypeVar("T")
+# The fields check_fields counts, by their names on the request models (absent ones count 0).
+FIELDS = ("input", "instructions", "tools", "response_format", "text", "logit_bias")
 
 
 @dataclass(frozen=True)
@@ -107,15 +109,12 @@ class Admission:
 
     def check_fields(self, body: Any, messages: Sequence[ChatMessage] = ()) -> None:
         """A 400 when the characters of every client-filled field but the completion prompt
-        (messages, tools, response_format, stop, logit_bias) cannot fit: run it before any of
-        them is parsed further, compiled or rendered. O(JSON values) of those fields."""
-        sizes = {
-            "messages": sum(message.num_chars for message in messages),
-            "tools": json_chars(getattr(body, "tools", None)),
-            "response_format": json_chars(getattr(body, "response_format", None)),
-            "stop": sum(len(s) for s in body.stop_list),
-            "logit_bias": json_chars(body.logit_bias),
-        }
+        cannot fit: the messages, and those of FIELDS the body has (a Responses request's input
+        and instructions among them). Run it before any of them is parsed further, compiled or
+        rendered. O(JSON values) of those fields."""
+        sizes = {"messages": sum(message.num_chars for message in messages)}
+        sizes.update({name: json_chars(getattr(body, name, None)) for name in FIELDS})
+        sizes["stop"] = sum(len(s) for s in getattr(body, "stop_list", ()))
         total = sum(sizes.values())
         if total <= self.max_prompt_chars:
             return
@@ -150,10 +149,10 @@ class Admission:
     async def chat_ids(
         self,
         messages: Sequence[ChatMessage],
-        render: Callable[[list[dict[str, Any]]], list[int]] | None = None,
+        render: Callable[[list[dict[str, Any]]], list[int]],
     ) -> list[int]:
-        """Prompt token ids of chat messages, rendered by the model's template (through
-        `render` when given: the agents' renderer, which adds tools and remembered turns)."""
+        """Prompt token ids of chat messages, rendered by `render` (the server's
+        `PromptRenderer`, which adds tools and remembered turns)."""
         limit = self.limits.max_seq_len
         if len(messages) >= limit:
             raise APIError(
@@ -167,7 +166,7 @@ class Admission:
         self._check_chars(chars, "messages", "The messages' content")
         template = [m.to_template() for m in messages]
         try:
-            ids = await self._run(render or self.tokenizer.apply_chat_template, template)
+            ids = await self._run(render, template)
         except ValueError as exc:
             raise APIError(400, f"Invalid messages: {exc}", param="messages") from exc
         check_fits(self.limits, len(ids), "messages")

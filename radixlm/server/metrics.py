@@ -171,14 +171,14 @@ def _l2_metrics(l2: dict[str, Any]) -> Iterator[Metric]:
         ("written_bytes", "radixlm_l2_written_bytes", "KV bytes written to L2 pages"),
         ("read_bytes", "radixlm_l2_read_bytes", "KV bytes read back from L2 pages"),
         ("rejected_tokens", "radixlm_l2_rejected_tokens", "Evicted tokens L2 did not admit"),
-        ("bad_pages", "radixlm_l2_bad_pages", "Pages that failed their check (recomputed)"),
+        ("bad_extents", "radixlm_l2_bad_pages", "Pages that failed their check (recomputed)"),
         ("read_timeouts", "radixlm_l2_read_timeouts", "Loads cut short by a slow read"),
-        ("evicted_pages", "radixlm_l2_evicted_pages", "Pages L2 evicted to make room"),
+        ("evicted_extents", "radixlm_l2_evicted_pages", "Pages L2 evicted to make room"),
     ):
         yield _counter(name, doc, l2[key])
     pages = GaugeMetricFamily("radixlm_l2_pages", "L2 pages by state", labels=["state"])
-    pages.add_metric(["free"], l2["num_free_pages"])
-    pages.add_metric(["held"], l2["num_tree_pages"])
+    pages.add_metric(["free"], l2["num_free_extents"])
+    pages.add_metric(["held"], l2["num_tree_extents"])
     yield pages
     buckets, total = [], 0
     for bound, count in l2["load_seconds_buckets"].items():

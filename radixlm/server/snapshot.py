@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from radixlm.cache.tiered_cache import TieredRadixCache
+from radixlm.cache.l2.cache import TieredRadixCache
 from radixlm.engine.engine import Engine
 
 

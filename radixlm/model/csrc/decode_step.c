@@ -19,8 +19,9 @@
 
    Quantized models (`quant`): each matmul's address is instead a descriptor (int64s, built by
    backend.FusedDecode): fast, number of parts, then per part its records, outputs, first
-   output, bits, scales per 32 inputs, mins; the rows are quantized once per matmul
-   (quantize_rows) and every part multiplied (quant_matmul), as Kernels.quant_linear does.
+   output, bits, scales per 32 inputs, mins, the scales' form (k or f16); the rows are
+   quantized once per matmul (quantize_rows) and every part multiplied (quant_matmul), as
+   Kernels.quant_linear does.
 
    Layouts: h, x (B, hidden) in the model's dtype (float32, or bfloat16 when `bf16`); weights
    (num_layers, 6) addresses: input norm weight, packed Wqkv, packed Wo, post-attention norm
@@ -52,20 +53,20 @@ int decode_attention(const float *q, const void *k, const void *v, float *out, i
 int silu_mul(const void *gate_up, void *act, int64_t num_tokens, int64_t inter, int bf16,
              int num_threads);
 int quantize_rows(const void *x, int64_t M, int64_t K, int32_t bf16, int32_t fast, void *xq,
-                  float *sx, int32_t *bsum, int32_t num_threads);
-int quant_matmul(const void *xq, const float *sx, const int32_t *bsum, int64_t M, int64_t K,
+                  float *sx, float *sxb, int32_t num_threads);
+int quant_matmul(const void *xq, const float *sx, const float *sxb, int64_t M, int64_t K,
                  int32_t fast, const uint8_t *w, int64_t N, int32_t bits, int32_t sub,
-                 int32_t has_min, void *y, int64_t y_stride, int32_t y_bf16, int32_t num_threads);
+                 int32_t has_min, int32_t kscale, void *y, int64_t y_stride, int32_t y_bf16,
+                 int32_t num_threads);
 
 /* Scratch for quantized rows: up to B x K inputs. */
 typedef struct {
     void *xq;
-    float *sx;
-    int32_t *bsum;
+    float *sx, *sxb;
 } QuantRows;
 
 enum { D_FAST, D_PARTS, D_HEAD }; /* a descriptor's header; then per part: */
-enum { P_RECORDS, P_N, P_START, P_BITS, P_SUB, P_HAS_MIN, P_SIZE };
+enum { P_RECORDS, P_N, P_START, P_BITS, P_SUB, P_HAS_MIN, P_KSCALE, P_SIZE };
 
 /* y (B, N) = x (B, K) W^T for W packed for skinny_linear, or described by a quant descriptor. */
 static int linear(const void *x, const int64_t *w, void *y, int64_t B, int64_t N, int64_t K,
@@ -73,14 +74,15 @@ static int linear(const void *x, const int64_t *w, void *y, int64_t B, int64_t N
 {
     if (!quant) return skinny_linear(x, (const void *)w, y, B, N, K, bf16, num_threads);
     const int fast = (int)w[D_FAST];
-    int status = quantize_rows(x, B, K, bf16, fast, rows->xq, rows->sx, rows->bsum, num_threads);
+    int status = quantize_rows(x, B, K, bf16, fast, rows->xq, rows->sx, rows->sxb, num_threads);
     const int64_t elem = bf16 ? 2 : 4;
     for (int64_t p = 0; status == 0 && p < w[D_PARTS]; p++) {
         const int64_t *part = w + D_HEAD + p * P_SIZE;
-        status = quant_matmul(rows->xq, rows->sx, rows->bsum, B, K, fast,
+        status = quant_matmul(rows->xq, rows->sx, rows->sxb, B, K, fast,
                               (const uint8_t *)part[P_RECORDS], part[P_N], (int32_t)part[P_BITS],
                               (int32_t)part[P_SUB], (int32_t)part[P_HAS_MIN],
-                              (char *)y + part[P_START] * elem, N, bf16, num_threads);
+                              (int32_t)part[P_KSCALE], (char *)y + part[P_START] * elem, N, bf16,
+                              num_threads);
     }
     return status;
 }
@@ -129,10 +131,10 @@ int decode_layers(void *h, void *x, const int64_t *layers, const int64_t *kv,
     if (quant) {
         rows.xq = malloc((size_t)(B * widest * 2));
         rows.sx = malloc((size_t)(B * widest / 32 + 1) * sizeof(float));
-        rows.bsum = malloc((size_t)(B * widest / 32 + 1) * sizeof(int32_t));
+        rows.sxb = malloc((size_t)(B * widest / 32 + 1) * sizeof(float));
     }
     int status = 0;
-    if (qkv == NULL || q32 == NULL || (quant && (!rows.xq || !rows.sx || !rows.bsum))) {
+    if (qkv == NULL || q32 == NULL || (quant && (!rows.xq || !rows.sx || !rows.sxb))) {
         status = 100;
         goto done;
     }
@@ -171,7 +173,7 @@ int decode_layers(void *h, void *x, const int64_t *layers, const int64_t *kv,
 done:
     free(rows.xq);
     free(rows.sx);
-    free(rows.bsum);
+    free(rows.sxb);
     free(q32);
     free(qkv);
     return status;

@@ -2,22 +2,34 @@
    (radixlm/model/quant/layout.py packs them), activations quantized per 32 inputs.
 
    quantize_rows   x (float32 or bfloat16) -> per block of 32: xq = round(x * QMAX / max|x|)
-                   (int16 in exact mode, int8 in fast), sx = max|x| / QMAX, bsum = sum of xq
-   quant_matmul    per output column and block: an integer dot product of xq with the block's
-                   values, then in float32  t = min * bsum;  t += scale * dot (per sub-block);
-                   y += sx * t,  blocks in order. The same order at every row count and thread
-                   count (threads split the columns), so decode, prefill, batched and alone give
-                   the same bits.
+                   (int16 in exact mode, int8 in fast), sx = max|x| / QMAX, sxb = sx * sum(xq)
+   quant_matmul    per output column, block by block in order: an integer dot product of xq
+                   with the block's values (one per scale of the block), then in float32
+                       acc = fma(dot_h, scale_h * sx, acc)   for each scale h of the block
+                       acc = fma(min, sxb, acc)              where the type has mins
+                   The same order at every row count and thread count (threads split the
+                   columns), so decode, prefill, batched and alone give the same bits.
 
-   A weight record is 8 columns x 32 inputs (layout.py draws it); every vector the unpacking
-   makes holds the 8 columns in its 8 int32 lanes, so the dot products need no horizontal sums:
-   exact mode multiplies int16 pairs (vpmaddwd; vpdpwssd with AVX512-VNNI), fast mode unsigned
-   4-bit or sign-folded 8-bit values by int8 quads (vpmaddubsw + vpmaddwd; vpdpbusd with VNNI).
-   None of these sums can saturate: |4-bit x int8| pairs <= 2 * 15 * 127, |8-bit x int8| pairs
-   <= 2 * 128 * 127, int16 pairs stay far from int32's range for 32 inputs.
+   A record is 8 columns x 32 inputs of one weight (layout.py draws it): the values, then the
+   block's scales in one of two forms, each exactly what the gguf package dequantizes:
+       f16   scales (sub x 8 fp16), mins (8 fp16)                      Q4_0, Q4_1, Q8_0
+       k     d (8 fp16), sc (sub x 8 int8), -dmin (8 fp16), mc (8 int8)   Q4_K, Q5_K, Q6_K
+             scale = d * sc and min = -dmin * mc, products exact in float32
+   so a record holds the file's bytes, or close to them, and a decode step streams no more.
 
-   The avx512 build runs the same 256-bit code (8 columns a record), with the VNNI forms where
-   the CPU has them; the generic build unpacks a record to int16 and multiplies in plain C. */
+   Every vector the unpacking makes holds the 8 columns in its 8 int32 lanes, so the dot
+   products need no horizontal sums: exact mode multiplies int16 pairs (vpmaddwd; vpdpwssd with
+   AVX512-VNNI), fast mode unsigned 4-bit or sign-folded 8-bit values by int8 quads (vpmaddubsw
+   + vpmaddwd; vpdpbusd with VNNI). None of these sums can saturate: |4-bit x int8| pairs <=
+   2 * 15 * 127, |8-bit x int8| pairs <= 2 * 128 * 127, int16 pairs stay far from int32's range
+   for 32 inputs. Integer sums are exact in any order, so a dot may be split across
+   accumulators (to keep the multiply units busy) without changing a bit.
+
+   Rows go ROW_TILE at a time through one group of 8 columns (the tile's accumulators in
+   registers, the group's records in L1 for every tile); prefill-sized M goes in slabs of rows
+   whose activations stay in L2 while the threads share out the groups. The avx512 build runs
+   the 256-bit code with its 32 registers (a longer row tile) and the VNNI forms where the CPU
+   has them; the generic build unpacks a record and multiplies in plain C. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,22 +37,21 @@
 #include <omp.h>
 
 #include "bf16.h"
+#include "quant_record.h"
 #include "simd.h"
 
-#define GROUP 8
-#define BLOCK 32
-#define ROW_TILE 4   /* rows per pass over a group's records (their accumulators in registers) */
+#if defined(__AVX512F__)
+#define ROW_TILE 8 /* rows per pass over a group's records: their accumulators in registers */
+#else
+#define ROW_TILE 4
+#endif
+#define SLAB_ROWS 64 /* rows whose quantized activations stay in L2 across the groups */
 #define AHEAD 2048   /* bytes of the weight stream requested ahead of use */
-
-static int64_t record_bytes(int bits, int sub, int has_min)
-{
-    return GROUP * BLOCK * bits / 8 + 4 * GROUP * sub + (has_min ? 4 * GROUP : 0);
-}
 
 /* ---- activations ------------------------------------------------------------------------ */
 
 int quantize_rows(const void *x, int64_t M, int64_t K, int32_t bf16, int32_t fast, void *xq,
-                  float *sx, int32_t *bsum, int32_t num_threads)
+                  float *sx, float *sxb, int32_t num_threads)
 {
     if (K % BLOCK) return 1;
     const float qmax = fast ? 127.0f : 32767.0f;
@@ -68,24 +79,45 @@ int quantize_rows(const void *x, int64_t M, int64_t K, int32_t bf16, int32_t fas
             else ((int16_t *)xq)[m * K + b * BLOCK + k] = (int16_t)q;
         }
         sx[i] = amax * (1.0f / qmax);
-        bsum[i] = sum;
+        sxb[i] = sx[i] * (float)sum;
     }
     return 0;
 }
 
-/* ---- one record against up to ROW_TILE rows ---------------------------------------------- */
-
-/* What a block's float update reads: the record's scales (sub x 8) and mins (8, or none). */
-typedef struct {
-    const float *scales;
-    const float *mins;
-} BlockScales;
-
-ALWAYS_INLINE BlockScales block_scales(const uint8_t *rec, int bits, int sub, int has_min)
+/* A record's values as int16, [column][input] (the generic build's tiles). */
+__attribute__((unused)) static void unpack_record(const uint8_t *q, int bits, int fast,
+                                                  int16_t w[GROUP][BLOCK])
 {
-    const float *scales = (const float *)(rec + GROUP * BLOCK * bits / 8);
-    return (BlockScales){scales, has_min ? scales + GROUP * sub : NULL};
+    for (int j = 0; j < GROUP; j++)
+        for (int k = 0; k < BLOCK; k++) w[j][k] = (int16_t)record_value(q, bits, fast, j, k);
 }
+
+/* A record's scales and mins as floats, [scale h][column] and [column] (mins 0 without). */
+static void scalar_scales(const uint8_t *s, int sub, int has_min, int kscale,
+                          float d[2][GROUP], float mn[GROUP])
+{
+    const uint16_t *halves = (const uint16_t *)s;
+    const int8_t *ints = (const int8_t *)(s + 16);
+    for (int j = 0; j < GROUP; j++) {
+        for (int h = 0; h < sub; h++)
+            d[h][j] = kscale ? half_to_float(halves[j]) * (float)ints[8 * h + j]
+                             : half_to_float(halves[8 * h + j]);
+        mn[j] = 0.0f;
+        if (has_min && kscale)
+            mn[j] = half_to_float(((const uint16_t *)(s + 16 + 8 * sub))[j]) *
+                    (float)((const int8_t *)(s + 32 + 8 * sub))[j];
+        else if (has_min)
+            mn[j] = half_to_float(halves[8 * sub + j]);
+    }
+}
+
+/* One tile's view of the activations: rows m0 .. m0 + rows of xq, and their per-block
+   sx and sxb. */
+typedef struct {
+    const void *xq;
+    const float *sx, *sxb;
+    int64_t K, nb, m0;
+} Rows;
 
 #if defined(__AVX2__)
 
@@ -106,44 +138,106 @@ ALWAYS_INLINE __m256i bcast32(const void *p)
     return _mm256_set1_epi32(v);
 }
 
-/* The int32 dot products (8 columns per vector) of one record with `rows` rows of xq: dot[r *
-   sub + h] for sub-block h. xr[r]: row r's 32 quantized inputs of this block. */
-ALWAYS_INLINE void record_dots(__m256i *dot, const uint8_t *q, const void *const *xr,
+ALWAYS_INLINE __m256 load_halves(const uint8_t *p)
+{
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+ALWAYS_INLINE __m256 load_int8s(const uint8_t *p)
+{
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* A record's scales (d[h], 8 columns each) and mins, from the bytes after its values. */
+ALWAYS_INLINE void record_scales(const uint8_t *s, const int sub, const int has_min,
+                                 const int kscale, __m256 *d, __m256 *mn)
+{
+    if (kscale) {
+        const __m256 super = load_halves(s);
+        for (int h = 0; h < sub; h++) d[h] = _mm256_mul_ps(super, load_int8s(s + 16 + 8 * h));
+        if (has_min) *mn = _mm256_mul_ps(load_halves(s + 16 + 8 * sub), load_int8s(s + 32 + 8 * sub));
+    } else {
+        for (int h = 0; h < sub; h++) d[h] = load_halves(s + 16 * h);
+        if (has_min) *mn = load_halves(s + 16 * sub);
+    }
+}
+
+/* Nibble vector e (32 lanes, the low 4 bits of its values) with its high bits from the record's
+   plane (quant_record.h), as bytes: 5-bit values 0..31, or 6-bit ones made signed (- 32). */
+ALWAYS_INLINE __m256i with_plane(__m256i nibbles, const uint8_t *q, const int bits, const int e)
+{
+    const int h = bits - 4;
+    const __m256i plane = _mm256_loadu_si256((const __m256i *)(q + 128 + 32 * (e * h / 8)));
+    /* 16-bit shifts: the masked bits never cross a byte (shift + h <= 8) */
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(plane, (e * h) % 8),
+                                          _mm256_set1_epi8((char)((1 << h) - 1)));
+    const __m256i v = _mm256_or_si256(nibbles, _mm256_slli_epi16(high, 4));
+    return bits == 6 ? _mm256_sub_epi8(v, _mm256_set1_epi8(32)) : v;
+}
+
+/* The int32 dot products (8 columns a vector) of one record's values q with `rows` rows:
+   dot[r * sub + h] for the record's scale h. x: the rows' 32 quantized inputs of this block,
+   `stride` bytes apart. */
+ALWAYS_INLINE void record_dots(__m256i *dot, const uint8_t *q, const char *x, int64_t stride,
                                const int rows, const int bits, const int sub, const int fast)
 {
     for (int i = 0; i < rows * sub; i++) dot[i] = _mm256_setzero_si256();
     const __m256i low4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
-    if (!fast && bits == 4) {
+    if (!fast && nibble_bits(bits)) {
         for (int c = 0; c < 4; c++) { /* a 32-byte load: inputs 8c .. 8c + 7 of every column */
             const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
-            const __m256i lo = _mm256_and_si256(v, low4);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            const __m256i w[4] = {_mm256_unpacklo_epi8(lo, zero), _mm256_unpackhi_epi8(lo, zero),
-                                  _mm256_unpacklo_epi8(hi, zero), _mm256_unpackhi_epi8(hi, zero)};
+            __m256i lo = _mm256_and_si256(v, low4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            if (bits > 4) { /* the high bits of nibble vectors 2c and 2c + 1 */
+                lo = with_plane(lo, q, bits, 2 * c);
+                hi = with_plane(hi, q, bits, 2 * c + 1);
+            }
+            /* int16 lanes: zero-extended, or sign-extended where 6-bit values were made signed */
+            const __m256i lo_ext = bits == 6 ? _mm256_cmpgt_epi8(zero, lo) : zero;
+            const __m256i hi_ext = bits == 6 ? _mm256_cmpgt_epi8(zero, hi) : zero;
+            const __m256i w[4] = {_mm256_unpacklo_epi8(lo, lo_ext), _mm256_unpackhi_epi8(lo, lo_ext),
+                                  _mm256_unpacklo_epi8(hi, hi_ext), _mm256_unpackhi_epi8(hi, hi_ext)};
+            const int h = sub == 2 ? c / 2 : 0; /* inputs 8c .. 8c + 7: scale h */
             for (int r = 0; r < rows; r++)
-                for (int u = 0; u < 4; u++) {
-                    const int s = 4 * c + u; /* int16 pair s: inputs 2s, 2s + 1 */
-                    dot[r] = DOT_PAIRS(dot[r], w[u], bcast32((const int16_t *)xr[r] + 2 * s));
-                }
+                for (int u = 0; u < 4; u++) /* int16 pair 4c + u: inputs 8c + 2u, + 1 */
+                    dot[r * sub + h] = DOT_PAIRS(dot[r * sub + h], w[u],
+                                                 bcast32(x + r * stride + 4 * (4 * c + u)));
         }
     } else if (!fast) { /* 8-bit values, exact: 16 bytes sign-extended per pair of inputs */
         for (int s = 0; s < 16; s++) {
             const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * s)));
             const int h = sub == 2 ? s / 8 : 0;
             for (int r = 0; r < rows; r++)
-                dot[r * sub + h] =
-                    DOT_PAIRS(dot[r * sub + h], w, bcast32((const int16_t *)xr[r] + 2 * s));
+                dot[r * sub + h] = DOT_PAIRS(dot[r * sub + h], w, bcast32(x + r * stride + 4 * s));
         }
-    } else if (bits == 4) { /* fast: unsigned nibbles against int8 quads */
+    } else if (bits == 4 || bits == 5) { /* fast: unsigned values against int8 quads */
         for (int c = 0; c < 4; c++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
-            const __m256i w[2] = {_mm256_and_si256(v, low4),
-                                  _mm256_and_si256(_mm256_srli_epi16(v, 4), low4)};
-            for (int r = 0; r < rows; r++)
-                for (int u = 0; u < 2; u++) {
-                    const int s = 2 * c + u; /* quad s: inputs 4s .. 4s + 3 */
-                    dot[r] = DOT_QUADS(dot[r], w[u], bcast32((const int8_t *)xr[r] + 4 * s));
+            __m256i lo = _mm256_and_si256(v, low4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            if (bits == 5) {
+                lo = with_plane(lo, q, bits, 2 * c);
+                hi = with_plane(hi, q, bits, 2 * c + 1);
+            }
+            for (int r = 0; r < rows; r++) { /* quads 2c, 2c + 1: inputs 8c .. 8c + 7 */
+                dot[r] = DOT_QUADS(dot[r], lo, bcast32(x + r * stride + 8 * c));
+                dot[r] = DOT_QUADS(dot[r], hi, bcast32(x + r * stride + 8 * c + 4));
+            }
+        }
+    } else if (bits == 6) { /* fast, 6-bit values made signed: |w| against x with w's sign */
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
+            const __m256i w[2] = {
+                with_plane(_mm256_and_si256(v, low4), q, bits, 2 * c),
+                with_plane(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), q, bits, 2 * c + 1)};
+            for (int u = 0; u < 2; u++) { /* quad 2c + u: inputs 8c + 4u .. + 3, scale h */
+                const __m256i aw = _mm256_abs_epi8(w[u]);
+                const int h = sub == 2 ? c / 2 : 0;
+                for (int r = 0; r < rows; r++) {
+                    const __m256i xs = _mm256_sign_epi8(bcast32(x + r * stride + 8 * c + 4 * u), w[u]);
+                    dot[r * sub + h] = DOT_QUADS(dot[r * sub + h], aw, xs);
                 }
+            }
         }
     } else { /* fast, 8-bit signed values: |w| against x with w's sign */
         for (int s = 0; s < 8; s++) {
@@ -151,27 +245,10 @@ ALWAYS_INLINE void record_dots(__m256i *dot, const uint8_t *q, const void *const
             const __m256i aw = _mm256_abs_epi8(w);
             const int h = sub == 2 ? s / 4 : 0;
             for (int r = 0; r < rows; r++) {
-                const __m256i xs = _mm256_sign_epi8(bcast32((const int8_t *)xr[r] + 4 * s), w);
+                const __m256i xs = _mm256_sign_epi8(bcast32(x + r * stride + 4 * s), w);
                 dot[r * sub + h] = DOT_QUADS(dot[r * sub + h], aw, xs);
             }
         }
-    }
-}
-
-/* acc[r] (8 columns) += sx * (min * bsum + scale_h * dot_h ...), in that order. */
-ALWAYS_INLINE void block_update(__m256 *acc, const __m256i *dot, BlockScales bs, const float *sx,
-                                const int32_t *bsum, int64_t nb, int64_t b, const int rows,
-                                const int sub)
-{
-    const __m256 d0 = _mm256_loadu_ps(bs.scales);
-    const __m256 d1 = sub == 2 ? _mm256_loadu_ps(bs.scales + GROUP) : d0;
-    const __m256 mn = bs.mins ? _mm256_loadu_ps(bs.mins) : _mm256_setzero_ps();
-    for (int r = 0; r < rows; r++) {
-        __m256 t = bs.mins ? _mm256_mul_ps(mn, _mm256_set1_ps((float)bsum[r * nb + b]))
-                           : _mm256_setzero_ps();
-        t = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(dot[r * sub]), t);
-        if (sub == 2) t = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(dot[r * sub + 1]), t);
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(sx[r * nb + b]), t, acc[r]);
     }
 }
 
@@ -187,97 +264,65 @@ ALWAYS_INLINE void store_row(void *y, int64_t stride, int64_t m, int64_t col, __
     for (int j = 0; j < GROUP; j++) out[j] = float_to_bf16(f[j]);
 }
 
-/* Group g (8 columns) for `rows` (a literal) rows starting at row m0. */
-ALWAYS_INLINE void run_group(const uint8_t *w, int64_t g, int64_t nb, int64_t rec,
-                             const void *xq, const float *sx, const int32_t *bsum, int64_t K,
-                             int64_t m0, const int rows, const int bits, const int sub,
-                             const int has_min, const int fast, void *y, int64_t y_stride,
-                             int y_bf16)
+/* Group g (8 columns, records at wg) for `rows` (a literal) rows of a. */
+ALWAYS_INLINE void run_tile(const uint8_t *wg, int64_t g, Rows a, const int rows, const int bits,
+                            const int sub, const int has_min, const int kscale, const int fast,
+                            void *y, int64_t y_stride, int y_bf16)
 {
     __m256 acc[ROW_TILE];
     __m256i dot[ROW_TILE * 2];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    const int64_t xsize = fast ? 1 : 2;
-    const uint8_t *wg = w + g * nb * rec;
-    for (int64_t b = 0; b < nb; b++) {
+    const int64_t xsize = fast ? 1 : 2, stride = a.K * xsize, qbytes = GROUP * BLOCK * bits / 8;
+    const int64_t rec = qbytes + scale_bytes(sub, has_min, kscale);
+    const char *x = (const char *)a.xq + a.m0 * stride;
+    const float *sx = a.sx + a.m0 * a.nb, *sxb = a.sxb + a.m0 * a.nb;
+    for (int64_t b = 0; b < a.nb; b++) {
         const uint8_t *record = wg + b * rec;
         __builtin_prefetch(record + AHEAD);
-        const void *xr[ROW_TILE];
-        for (int r = 0; r < rows; r++)
-            xr[r] = (const char *)xq + ((m0 + r) * K + b * BLOCK) * xsize;
-        record_dots(dot, record, xr, rows, bits, sub, fast);
-        block_update(acc, dot, block_scales(record, bits, sub, has_min), sx + m0 * nb,
-                     bsum + m0 * nb, nb, b, rows, sub);
+        record_dots(dot, record, x + b * BLOCK * xsize, stride, rows, bits, sub, fast);
+        __m256 d[2], mn = _mm256_setzero_ps();
+        record_scales(record + qbytes, sub, has_min, kscale, d, &mn);
+        for (int r = 0; r < rows; r++) {
+            const __m256 s = _mm256_set1_ps(sx[r * a.nb + b]);
+            for (int h = 0; h < sub; h++)
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r * sub + h]),
+                                         _mm256_mul_ps(d[h], s), acc[r]);
+            if (has_min) acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sxb[r * a.nb + b]), acc[r]);
+        }
     }
-    for (int r = 0; r < rows; r++) store_row(y, y_stride, m0 + r, g * GROUP, acc[r], y_bf16);
+    for (int r = 0; r < rows; r++) store_row(y, y_stride, a.m0 + r, g * GROUP, acc[r], y_bf16);
 }
 
 #else /* generic: unpack each record to int16 and multiply in plain C */
 
-/* Where layout.py puts column j's input k: the byte, and 4 for a high nibble. */
-static void position(int bits, int fast, int j, int k, int *byte, int *shift)
-{
-    *shift = 0;
-    if (fast) {
-        const int s = k / 4, pos = 4 * j + k % 4;
-        if (bits == 8) *byte = 32 * s + pos;
-        else *byte = 32 * (s / 2) + pos, *shift = 4 * (s % 2);
-        return;
-    }
-    const int s = k / 2, lane = 2 * j + k % 2;
-    if (bits == 8) {
-        *byte = 16 * s + lane;
-        return;
-    }
-    const int chunk = s / 4, u = s % 4, high_nibble = u / 2, unpack_high = u % 2;
-    int within;
-    if (!unpack_high) within = lane < 8 ? lane : lane + 8;
-    else within = lane < 8 ? lane + 8 : lane + 16;
-    *byte = 32 * chunk + within;
-    *shift = 4 * high_nibble;
-}
-
-static void unpack_record(const uint8_t *q, int bits, int fast, int16_t w[GROUP][BLOCK])
-{
-    for (int j = 0; j < GROUP; j++)
-        for (int k = 0; k < BLOCK; k++) {
-            int byte, shift;
-            position(bits, fast, j, k, &byte, &shift);
-            const uint8_t v = (uint8_t)(q[byte] >> shift);
-            w[j][k] = bits == 4 ? (int16_t)(v & 0x0F) : (int16_t)(int8_t)v;
-        }
-}
-
-static void run_group(const uint8_t *w, int64_t g, int64_t nb, int64_t rec, const void *xq,
-                      const float *sx, const int32_t *bsum, int64_t K, int64_t m0, int rows,
-                      int bits, int sub, int has_min, int fast, void *y, int64_t y_stride,
-                      int y_bf16)
+static void run_tile(const uint8_t *wg, int64_t g, Rows a, int rows, int bits, int sub,
+                     int has_min, int kscale, int fast, void *y, int64_t y_stride, int y_bf16)
 {
     float acc[ROW_TILE][GROUP] = {{0}};
-    const uint8_t *wg = w + g * nb * rec;
-    for (int64_t b = 0; b < nb; b++) {
+    const int64_t qbytes = GROUP * BLOCK * bits / 8, rec = qbytes + scale_bytes(sub, has_min, kscale);
+    for (int64_t b = 0; b < a.nb; b++) {
         const uint8_t *record = wg + b * rec;
         int16_t wv[GROUP][BLOCK];
         unpack_record(record, bits, fast, wv);
-        const BlockScales bs = block_scales(record, bits, sub, has_min);
+        float d[2][GROUP], mn[GROUP];
+        scalar_scales(record + qbytes, sub, has_min, kscale, d, mn);
         for (int r = 0; r < rows; r++) {
-            const int64_t m = m0 + r, i = m * nb + b;
+            const int64_t m = a.m0 + r, i = m * a.nb + b;
             for (int j = 0; j < GROUP; j++) {
                 int32_t dot[2] = {0, 0};
                 for (int k = 0; k < BLOCK; k++) {
-                    const int32_t xv = fast ? ((const int8_t *)xq)[m * K + b * BLOCK + k]
-                                            : ((const int16_t *)xq)[m * K + b * BLOCK + k];
+                    const int64_t at = m * a.K + b * BLOCK + k;
+                    const int32_t xv = fast ? ((const int8_t *)a.xq)[at] : ((const int16_t *)a.xq)[at];
                     dot[sub == 2 ? k / 16 : 0] += xv * wv[j][k];
                 }
-                float t = bs.mins ? bs.mins[j] * (float)bsum[i] : 0.0f;
-                t = bs.scales[j] * (float)dot[0] + t;
-                if (sub == 2) t = bs.scales[GROUP + j] * (float)dot[1] + t;
-                acc[r][j] = sx[i] * t + acc[r][j];
+                for (int h = 0; h < sub; h++)
+                    acc[r][j] = fmaf((float)dot[h], d[h][j] * a.sx[i], acc[r][j]);
+                if (has_min) acc[r][j] = fmaf(mn[j], a.sxb[i], acc[r][j]);
             }
         }
     }
     for (int r = 0; r < rows; r++) {
-        const int64_t m = m0 + r;
+        const int64_t m = a.m0 + r;
         for (int j = 0; j < GROUP; j++) {
             if (y_bf16) ((uint16_t *)y)[m * y_stride + g * GROUP + j] = float_to_bf16(acc[r][j]);
             else ((float *)y)[m * y_stride + g * GROUP + j] = acc[r][j];
@@ -287,43 +332,94 @@ static void run_group(const uint8_t *w, int64_t g, int64_t nb, int64_t rec, cons
 
 #endif
 
-/* A group's rows, ROW_TILE at a time; literal row counts and formats so the loops unroll. */
-static void run_rows(const uint8_t *w, int64_t g, int64_t nb, int64_t rec, const void *xq,
-                     const float *sx, const int32_t *bsum, int64_t M, int64_t K, int bits,
-                     int sub, int has_min, int fast, void *y, int64_t y_stride, int y_bf16)
+/* Rows m0 .. m1 of group g: tiles of ROW_TILE, then the rest in halving tiles (literal row
+   counts and formats, so each tile's loops unroll and its accumulators stay in registers). */
+static void run_rows(const uint8_t *w, int64_t g, Rows a, int64_t m1, int bits, int sub,
+                     int has_min, int kscale, int fast, void *y, int64_t y_stride, int y_bf16)
 {
-    for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
-        const int rows = M - m0 < ROW_TILE ? (int)(M - m0) : ROW_TILE;
-#define FORMAT_CASE(n, B, S, H, F)                                                               \
-    if (rows == n && bits == B && sub == S && has_min == H && fast == F) {                       \
-        run_group(w, g, nb, rec, xq, sx, bsum, K, m0, n, B, S, H, F, y, y_stride, y_bf16);      \
+    const uint8_t *wg = w + g * a.nb * record_bytes(bits, sub, has_min, kscale);
+    while (a.m0 < m1) {
+        const int64_t left = m1 - a.m0;
+        const int rows = left >= ROW_TILE ? ROW_TILE : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+#define FORMAT_CASE(n, B, S, H, KS, F)                                                           \
+    if (rows == n && bits == B && sub == S && has_min == H && kscale == KS && fast == F) {        \
+        run_tile(wg, g, a, n, B, S, H, KS, F, y, y_stride, y_bf16);                             \
+        a.m0 += n;                                                                               \
         continue;                                                                                \
     }
-#define FORMATS(n)                                                                               \
-    FORMAT_CASE(n, 4, 1, 1, 0) FORMAT_CASE(n, 8, 1, 0, 0) FORMAT_CASE(n, 8, 1, 1, 0)              \
-    FORMAT_CASE(n, 8, 2, 0, 0) FORMAT_CASE(n, 4, 1, 1, 1) FORMAT_CASE(n, 8, 1, 0, 1)              \
-    FORMAT_CASE(n, 8, 1, 1, 1) FORMAT_CASE(n, 8, 2, 0, 1)
+#define MODE_FORMATS(n, F)                                                                       \
+    FORMAT_CASE(n, 4, 1, 1, 0, F) /* Q4_0, Q4_1 */                                               \
+    FORMAT_CASE(n, 8, 1, 0, 0, F) /* Q8_0 */                                                     \
+    FORMAT_CASE(n, 4, 1, 1, 1, F) /* Q4_K */                                                     \
+    FORMAT_CASE(n, 5, 1, 1, 1, F) /* Q5_K */                                                     \
+    FORMAT_CASE(n, 6, 2, 0, 1, F) /* Q6_K */
+#define FORMATS(n) MODE_FORMATS(n, 0) MODE_FORMATS(n, 1)
         FORMATS(1)
         FORMATS(2)
-        FORMATS(3)
         FORMATS(4)
+#if ROW_TILE == 8
+        FORMATS(8)
+#endif
 #undef FORMATS
+#undef MODE_FORMATS
 #undef FORMAT_CASE
-        run_group(w, g, nb, rec, xq, sx, bsum, K, m0, rows, bits, sub, has_min, fast, y,
-                  y_stride, y_bf16);
+        return; /* quant_matmul refused every other format */
     }
 }
 
-int quant_matmul(const void *xq, const float *sx, const int32_t *bsum, int64_t M, int64_t K,
+int quant_matmul(const void *xq, const float *sx, const float *sxb, int64_t M, int64_t K,
                  int32_t fast, const uint8_t *w, int64_t N, int32_t bits, int32_t sub,
-                 int32_t has_min, void *y, int64_t y_stride, int32_t y_bf16, int32_t num_threads)
+                 int32_t has_min, int32_t kscale, void *y, int64_t y_stride, int32_t y_bf16,
+                 int32_t num_threads)
 {
-    if (K % BLOCK || N % GROUP || (bits != 4 && bits != 8) || (sub != 1 && sub != 2)) return 1;
-    if (bits == 4 && (sub != 1 || !has_min)) return 1; /* the 4-bit types all have mins */
-    const int64_t nb = K / BLOCK, rec = record_bytes(bits, sub, has_min), groups = N / GROUP;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++)
-        run_rows(w, g, nb, rec, xq, sx, bsum, M, K, bits, sub, has_min != 0, fast != 0, y,
-                 y_stride, y_bf16);
+    if (K % BLOCK || N % GROUP) return 1;
+    const int known = (bits == 4 && sub == 1 && has_min) ||                /* Q4_0/Q4_1/Q4_K */
+                      (bits == 8 && sub == 1 && !has_min && !kscale) ||    /* Q8_0 */
+                      (bits == 5 && sub == 1 && has_min && kscale) ||      /* Q5_K */
+                      (bits == 6 && sub == 2 && !has_min && kscale);       /* Q6_K */
+    if (!known) return 1;
+    const int64_t nb = K / BLOCK, groups = N / GROUP;
+#pragma omp parallel num_threads(num_threads)
+    for (int64_t m0 = 0; m0 < M; m0 += SLAB_ROWS) {
+        const int64_t m1 = m0 + SLAB_ROWS < M ? m0 + SLAB_ROWS : M;
+        const Rows a = {xq, sx, sxb, K, nb, m0};
+        /* static and nowait: a thread keeps its groups (in its L2) from slab to slab */
+#pragma omp for schedule(static) nowait
+        for (int64_t g = 0; g < groups; g++)
+            run_rows(w, g, a, m1, bits, sub, has_min != 0, kscale != 0, fast != 0, y, y_stride,
+                     y_bf16);
+    }
+    return 0;
+}
+
+/* Rows of a quantized weight as floats (an embedding lookup): out[i] = W[rows[i]], each value
+   scale * q + min rounded after the multiply and after the add, as the gguf package
+   dequantizes (never a fused multiply-add: the float model the exact numerics are held to has
+   these values). out is float32, or bfloat16 when out_bf16. */
+int quant_rows(const uint8_t *w, const int64_t *rows, int64_t num_rows, int64_t N, int64_t K,
+               int32_t fast, int32_t bits, int32_t sub, int32_t has_min, int32_t kscale,
+               void *out, int32_t out_bf16)
+{
+    if (K % BLOCK || N % GROUP) return 1;
+    const int64_t nb = K / BLOCK, rec = record_bytes(bits, sub, has_min, kscale);
+    const int64_t qbytes = GROUP * BLOCK * bits / 8;
+    for (int64_t i = 0; i < num_rows; i++) {
+        if (rows[i] < 0 || rows[i] >= N) return 2;
+        const int64_t g = rows[i] / GROUP;
+        const int j = (int)(rows[i] % GROUP);
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *record = w + (g * nb + b) * rec;
+            float d[2][GROUP], mn[GROUP];
+            scalar_scales(record + qbytes, sub, has_min, kscale, d, mn);
+            for (int k = 0; k < BLOCK; k++) {
+                const int q = record_value(record, bits, fast, j, k);
+                volatile float scaled = (float)q * d[sub == 2 ? k / 16 : 0][j]; /* no fma */
+                const float v = has_min ? scaled + mn[j] : scaled;
+                const int64_t at = i * K + b * BLOCK + k;
+                if (out_bf16) ((uint16_t *)out)[at] = float_to_bf16(v);
+                else ((float *)out)[at] = v;
+            }
+        }
+    }
     return 0;
 }

@@ -14,16 +14,29 @@ the backend multiplies either (backend.matmul_route). Two numerics, chosen once 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from radixlm.model.quant import layout
-from radixlm.model.quant.blocks import QUANT_TYPES, Blocks, decode, quantize_q8_0
+from radixlm.model.quant.blocks import (
+    QUANT_TYPES,
+    Blocks,
+    FileBlocks,
+    decode,
+    quantize_q8_0,
+    record_format,
+)  # fmt: skip
 from radixlm.model.quant.layout import MODES
 
-__all__ = ["MODES", "QUANT_TYPES", "Blocks", "QuantWeight", "decode", "quantize_q8_0"]
+__all__ = [
+    "MODES", "QUANT_TYPES", "Blocks", "FileBlocks", "QuantWeight", "Repack", "decode",
+    "quantize_q8_0", "record_format",
+]  # fmt: skip
+# file blocks + mode -> records, in C (native.Kernels.repack_blocks)
+Repack = Callable[[FileBlocks, str], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -36,12 +49,13 @@ class QuantPart:
     bits: int
     sub: int
     has_min: bool
+    kscale: bool  # scales in the K types' factored form (layout.py)
     source: str  # the GGUF type
 
     def dequantize_rows(self, rows: np.ndarray, mode: str) -> torch.Tensor:
         """Float32 rows (outputs) of this part's weight, (R, K)."""
         q, scales, mins = layout.unpack_rows(
-            self.records.numpy(), rows, self.bits, self.sub, self.has_min, mode
+            self.records.numpy(), rows, self.bits, self.sub, self.has_min, self.kscale, mode
         )
         num_rows, k = q.shape
         w = q.astype(np.float32).reshape(num_rows, k // 32, self.sub, 32 // self.sub)
@@ -73,17 +87,29 @@ class QuantWeight:
     def nbytes(self) -> int:
         return sum(p.records.numel() for p in self.parts)
 
-    def add(self, blocks: Blocks, start: int) -> None:
-        """Blocks of outputs [start, start + rows): packed for this weight's mode."""
-        rows, cols = blocks.q.shape
-        if cols != self.in_features:
-            raise ValueError(f"a part of {cols} inputs in a weight of {self.in_features}")
-        records = torch.from_numpy(layout.pack(blocks, self.mode))
-        part = QuantPart(
-            records, rows, start, blocks.bits, blocks.sub, blocks.mins is not None, blocks.source
-        )
+    def add(self, blocks: Blocks | FileBlocks, start: int, repack: Repack | None = None) -> None:
+        """Blocks of outputs [start, start + rows): packed for this weight's mode, by `repack`
+        (the C repacker) where given and the blocks are the file's, else in numpy."""
+        if isinstance(blocks, FileBlocks) and repack is not None:
+            (rows, cols), source = blocks.shape, blocks.qtype.name
+            bits, sub, has_min, kscale = record_format(blocks.qtype)
+            self._check(cols)
+            records = repack(blocks, self.mode)
+        else:
+            if isinstance(blocks, FileBlocks):
+                blocks = blocks.decode()
+            rows, cols = blocks.q.shape
+            self._check(cols)
+            records = torch.from_numpy(layout.pack(blocks, self.mode))
+            bits, sub, source = blocks.bits, blocks.sub, blocks.source
+            has_min, kscale = blocks.mins is not None, blocks.factors is not None
+        part = QuantPart(records, rows, start, bits, sub, has_min, kscale, source)
         self.parts.append(part)
         self.parts.sort(key=lambda p: p.start)
+
+    def _check(self, cols: int) -> None:
+        if cols != self.in_features:
+            raise ValueError(f"a part of {cols} inputs in a weight of {self.in_features}")
 
     def complete(self, out_features: int) -> bool:
         """Whether the parts cover outputs 0 .. out_features - 1 exactly."""

@@ -1,22 +1,23 @@
-"""The L2 page file: one preallocated file of fixed pages of KV on local disk.
+"""The extent file: one preallocated file of fixed-size extents of KV on local disk (the L2 tier).
 
-A page holds the KV of `page_tokens` consecutive tokens (all layers, contiguous) behind a small
-header. Pages are read and written with positional I/O (os.pread / os.pwrite) from a small
-thread pool, so the engine thread never blocks on the disk and the file is never mmapped (a
+An extent holds the KV of up to 64 consecutive tokens (all layers, contiguous) behind a small
+header. Extents are read and written with positional I/O (os.pread / os.pwrite) from small
+thread pools, so the engine thread never blocks on the disk and the file is never mmapped (a
 mapped pool would fault inside the kernels and write back every KV store).
 
-    offset = page * page_bytes
+    offset = extent * extent_bytes
     [ magic 4 | payload length 4 | key 16 | checksum 16 | pad to 64 ][ payload ........ ]
 
 Nothing read back is trusted: the key is a digest of the file's fingerprint (model, dtype,
-layout), the namespace (cache salt) and every token id up to the end of the page, and the
-checksum covers the key and the payload. A page whose magic, key or checksum does not match is
+layout), the namespace (cache salt) and every token id up to the end of the extent, and the
+checksum covers the key and the payload. An extent whose magic, key or checksum does not match is
 a miss (None), so a torn write, a corrupted sector or a file from another model is recomputed,
-never served. The file is reinitialised when opened (no pages survive a restart) and locked
-(flock) while open, so two servers never share one.
+never served. The file is reinitialised when opened (no extent survives a restart) and locked
+(flock) while open, so two servers never share one. `faults` lets a test delay or fail the I/O
+the way a slow or full disk would.
 
-Invariant: every page index is either on the free list or allocated, never both;
-`num_free + num_allocated == num_pages`.
+Invariant: every extent index is either on the free list or allocated, never both;
+`num_free + num_allocated == num_extents`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -44,14 +46,24 @@ _LOCKED = (errno.EAGAIN, errno.EACCES)
 
 
 class L2Error(OSError):
-    """The page file cannot be created or used; the caller runs without L2."""
+    """The extent file cannot be created or used; the caller runs without L2."""
 
 
-def page_key(
+@dataclass(frozen=True)
+class Faults:
+    """Fault injection for tests: each hook, when set, is called with the extent index on the I/O
+    thread before that extent is read or written. It may block (a slow disk) or raise OSError (a
+    failing one: a failed read is a miss, a failed write raises from its future)."""
+
+    read: Callable[[int], None] | None = None
+    write: Callable[[int], None] | None = None
+
+
+def extent_key(
     fingerprint: bytes, namespace: Namespace, tokens: np.ndarray, prev: bytes | None = None
 ) -> bytes:
-    """The key of the page ending after `tokens`: chained, so `prev` (the key of the page before,
-    None for the first) stands for every earlier token. int64 token ids."""
+    """The key of the extent ending after `tokens`: chained, so `prev` (the key of the extent
+    before, None for the first) stands for every earlier token. int64 token ids."""
     h = hashlib.blake2b(digest_size=KEY_BYTES)
     if prev is None:
         h.update(fingerprint)
@@ -62,37 +74,38 @@ def page_key(
     return h.digest()
 
 
-class L2PageFile:
-    """A fixed number of fixed-size pages in one file (see the module docstring)."""
+class ExtentFile:
+    """A fixed number of fixed-size extents in one file (see the module docstring)."""
 
     def __init__(
-        self, path: str, num_pages: int, payload_bytes: int, fingerprint: bytes, threads: int = 2
+        self, path: str, num_extents: int, payload_bytes: int, fingerprint: bytes, threads: int = 2
     ) -> None:
-        if num_pages < 1 or payload_bytes < 1:
-            raise ValueError("num_pages and payload_bytes must be >= 1")
+        if num_extents < 1 or payload_bytes < 1:
+            raise ValueError("num_extents and payload_bytes must be >= 1")
         self.path = path
-        self.num_pages = num_pages
+        self.num_extents = num_extents
         self.payload_bytes = payload_bytes
-        self.page_bytes = HEADER_BYTES + payload_bytes
+        self.extent_bytes = HEADER_BYTES + payload_bytes
         self.fingerprint = fingerprint
+        self.faults = Faults()
         try:
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as e:
-            raise L2Error(f"L2 page file {path}: {e.strerror or e}") from e
+            raise L2Error(f"L2 extent file {path}: {e.strerror or e}") from e
         try:
-            # One process per file: another server's pages (maybe another model of the same
+            # One process per file: another server's extents (maybe another model of the same
             # shape, whose keys would match) must never be read as ours.
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.ftruncate(self._fd, 0)
-            os.ftruncate(self._fd, num_pages * self.page_bytes)  # sparse: no blocks until written
+            os.ftruncate(self._fd, num_extents * self.extent_bytes)  # sparse until written
         except OSError as e:
             os.close(self._fd)
             reason = "in use by another process" if e.errno in _LOCKED else e.strerror or e
-            raise L2Error(f"L2 page file {path}: {reason}") from e
-        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
+            raise L2Error(f"L2 extent file {path}: {reason}") from e
+        self._free = list(range(num_extents - 1, -1, -1))  # pop() hands out extent 0 first
         self._lock = threading.Lock()  # guards the free list (I/O threads never touch it)
         self._io_lock = threading.Lock()  # guards the byte counters the I/O threads update
-        self.written_bytes = self.read_bytes = 0  # payload bytes moved (a tail page's are fewer)
+        self.written_bytes = self.read_bytes = 0  # payload bytes moved (a tail extent's are fewer)
         # Reads have threads of their own: a load someone waits for never queues behind the
         # writes of the evictions that made room for it.
         self._io = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="l2-write")
@@ -103,34 +116,34 @@ class L2PageFile:
         return len(self._free)
 
     def alloc(self) -> int | None:
-        """A free page index, or None when every page is allocated."""
+        """A free extent index, or None when every extent is allocated."""
         with self._lock:
             return self._free.pop() if self._free else None
 
-    def free(self, page: int) -> None:
-        """Return `page` to the free list; its old contents stay until overwritten."""
+    def free(self, extent: int) -> None:
+        """Return `extent` to the free list; its old contents stay until overwritten."""
         with self._lock:
-            self._free.append(page)
+            self._free.append(extent)
 
     def write(
-        self, page: int, key: bytes, payload: Buffer | Callable[[], Buffer | None]
+        self, extent: int, key: bytes, payload: Buffer | Callable[[], Buffer | None]
     ) -> Future[None]:
-        """Store `payload` under `key` in `page` (checksum and I/O off the calling thread). A
+        """Store `payload` under `key` in `extent` (checksum and I/O off the calling thread). A
         failed write (disk full) raises from the future's result; the caller then frees the
-        page. `payload` must not change until the future is done; a callable is called on the
+        extent. `payload` must not change until the future is done; a callable is called on the
         I/O thread for it, and None from it skips the write."""
         if len(key) != KEY_BYTES:
-            raise ValueError("a malformed page key")
+            raise ValueError("a malformed extent key")
         if not callable(payload):
             self._check_size(payload)
-        return self._io.submit(self._pwrite, page, key, payload)
+        return self._io.submit(self._pwrite, extent, key, payload)
 
     def read(
-        self, page: int, key: bytes, sink: Callable[[bytearray], None] | None = None
+        self, extent: int, key: bytes, sink: Callable[[bytearray], None] | None = None
     ) -> Future[bytearray | None]:
-        """The payload of `page` if it holds `key` intact, else None (a miss). `sink`, if
+        """The payload of `extent` if it holds `key` intact, else None (a miss). `sink`, if
         given, is called with a verified payload on the I/O thread (to copy it in place)."""
-        return self._reads.submit(self._pread, page, key, sink)
+        return self._reads.submit(self._pread, extent, key, sink)
 
     def close(self) -> None:
         self._io.shutdown(wait=True)
@@ -139,16 +152,20 @@ class L2PageFile:
 
     def _check_size(self, payload: Buffer) -> None:
         if memoryview(payload).nbytes > self.payload_bytes:
-            raise ValueError("payload too large for a page")
+            raise ValueError("payload too large for an extent")
 
-    def _pwrite(self, page: int, key: bytes, payload: Buffer | Callable[[], Buffer | None]) -> None:
+    def _pwrite(
+        self, extent: int, key: bytes, payload: Buffer | Callable[[], Buffer | None]
+    ) -> None:
+        if self.faults.write is not None:
+            self.faults.write(extent)
         data = payload() if callable(payload) else payload
         if data is None:
             return  # a staged payload that was settled before it was copied
         if callable(payload):
             self._check_size(data)
         parts = [memoryview(_header(key, data)), memoryview(data).cast("B")]
-        offset = page * self.page_bytes
+        offset = extent * self.extent_bytes
         while parts:  # a short write continues where it stopped
             written = os.pwritev(self._fd, parts, offset)
             offset += written
@@ -161,10 +178,12 @@ class L2PageFile:
             self.written_bytes += memoryview(data).nbytes
 
     def _pread(
-        self, page: int, key: bytes, sink: Callable[[bytearray], None] | None
+        self, extent: int, key: bytes, sink: Callable[[bytearray], None] | None
     ) -> bytearray | None:
         try:
-            header = os.pread(self._fd, HEADER_BYTES, page * self.page_bytes)
+            if self.faults.read is not None:
+                self.faults.read(extent)
+            header = os.pread(self._fd, HEADER_BYTES, extent * self.extent_bytes)
         except OSError:
             return None
         if len(header) < HEADER_BYTES or header[:4] != MAGIC or header[8:24] != key:
@@ -174,7 +193,7 @@ class L2PageFile:
             return None
         payload = bytearray(length)  # read in place: torch.frombuffer takes it without a copy
         try:
-            n = os.preadv(self._fd, [payload], page * self.page_bytes + HEADER_BYTES)
+            n = os.preadv(self._fd, [payload], extent * self.extent_bytes + HEADER_BYTES)
         except OSError:
             return None
         with self._io_lock:

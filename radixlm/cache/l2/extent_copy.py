@@ -1,10 +1,10 @@
-"""KV copies between the slot pool and L2 page payloads.
+"""KV copies between the slot pool and extent payloads (the disk tier's unit, cache/l2/node.py).
 
-A payload is one page's K and V for every layer, contiguous: (2, layers, tokens, kv_heads,
-head_dim) in the pool's dtype, 64 tokens (fewer in a tail page). A page written as its node
-leaves RAM is gathered on the engine thread (its slots are freed right after); a page written
-through when its request finishes is gathered on the I/O thread (`StagedPage`), from slots the
-tree still owns. Loaded pages are scattered on the I/O threads as each read is verified, so
+A payload is one extent's K and V for every layer, contiguous: (2, layers, tokens, kv_heads,
+head_dim) in the pool's dtype, 64 tokens (fewer in a tail extent). An extent written as its node
+leaves RAM is gathered on the engine thread (its slots are freed right after); an extent written
+through when its request finishes is gathered on the I/O thread (`StagedExtent`), from slots the
+tree still owns. Loaded extents are scattered on the I/O threads as each read is verified, so
 copies overlap the reads. A `LoadSink` is cancelled when its load ends: after `cancel()` returns
 no late read writes into slots that may have been given to another request.
 """
@@ -20,8 +20,8 @@ import torch
 from radixlm.cache.kv_pool import KVPool
 
 
-def gather_page(pool: KVPool, slots: np.ndarray) -> memoryview:
-    """The payload of one page whose tokens' KV is in `slots` (a fresh buffer, not a copy of
+def gather_extent(pool: KVPool, slots: np.ndarray) -> memoryview:
+    """The payload of one extent whose tokens' KV is in `slots` (a fresh buffer, not a copy of
     the pool: the slots may be reused at once)."""
     idx, dim = torch.from_numpy(slots), _slot_dim(pool)
     k, v = pool.k.index_select(dim, idx), pool.v.index_select(dim, idx)
@@ -31,16 +31,16 @@ def gather_page(pool: KVPool, slots: np.ndarray) -> memoryview:
     return both.view(torch.uint8).numpy().reshape(-1).data
 
 
-class StagedPage:
-    """One page's payload, gathered on the I/O thread when its write runs, from slots the tree
-    owns until `settle()`: the tree settles a page before freeing any slot it reads, so a
+class StagedExtent:
+    """One extent's payload, gathered on the I/O thread when its write runs, from slots the tree
+    owns until `settle()`: the tree settles an extent before freeing any slot it reads, so a
     gather never reads a reused slot and the engine thread copies nothing at finish."""
 
     QUEUED, COPIED, CANCELLED = range(3)
 
     def __init__(self, pool: KVPool, slots: np.ndarray, key: bytes) -> None:
         self.pool = pool
-        self.slots = slots  # the page's slot ids (tree-owned while the page is staged)
+        self.slots = slots  # the extent's slot ids (tree-owned while the extent is staged)
         self.key = key
         self._lock = threading.Lock()  # held during the gather and by settle
         self._state = self.QUEUED
@@ -50,7 +50,7 @@ class StagedPage:
         with self._lock:
             if self._state == self.CANCELLED:
                 return None
-            payload = gather_page(self.pool, self.slots)
+            payload = gather_extent(self.pool, self.slots)
             self._state = self.COPIED
             return payload
 
@@ -66,17 +66,17 @@ class StagedPage:
 
 
 class LoadSink:
-    """Scatters the verified pages of one load into its slots, until cancelled."""
+    """Scatters the verified extents of one load into its slots, until cancelled."""
 
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
         self.shape = (2, pool.num_layers, -1, pool.num_kv_heads, pool.head_dim)
         self.dim = _slot_dim(pool)
-        self._lock = threading.Lock()  # held while a page is copied and by cancel
+        self._lock = threading.Lock()  # held while an extent is copied and by cancel
         self._cancelled = False
 
-    def page(self, slots: np.ndarray, skip: int) -> Callable[[bytearray], None]:
-        """The sink of one page: its tokens from `skip` on go to `slots` (the first `skip`
+    def extent(self, slots: np.ndarray, skip: int) -> Callable[[bytearray], None]:
+        """The sink of one extent: its tokens from `skip` on go to `slots` (the first `skip`
         tokens were in RAM already)."""
         idx = torch.from_numpy(slots)
 
@@ -94,7 +94,7 @@ class LoadSink:
         return copy
 
     def cancel(self) -> None:
-        """No page is copied after this returns."""
+        """No extent is copied after this returns."""
         with self._lock:
             self._cancelled = True
 
