@@ -2,7 +2,7 @@
 allowed maximum: no single request may stall the engine thread (docs/security.md).
 
     python benchmarks/neighbour_latency.py [--rounds 3] [--num-threads 1] [--json PATH]
-    python benchmarks/neighbour_latency.py --checkout /work/main    # another checkout's server
+    python benchmarks/neighbour_latency.py --checkout ../other-checkout   # its server instead
 
 `radixlm serve` (the default model, float32) runs in a child process (from `--checkout`, by
 default this one). The neighbour streams a greedy chat of 48 tokens; its inter-token latency
