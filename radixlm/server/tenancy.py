@@ -58,10 +58,6 @@ class Tenancy:
         self._report = config.report_cached_tokens
         self.page = config.cached_tokens_page
 
-    @property
-    def requires_key(self) -> bool:
-        return bool(self._keys)
-
     # -- dependencies (FastAPI) --------------------------------------------------------------
 
     async def authenticate(self, request: Request) -> None:
@@ -94,10 +90,6 @@ class Tenancy:
         setattr(request.state, _ADMIN, True)  # one local user: nobody to tell apart
 
     # -- who the caller is -------------------------------------------------------------------
-
-    def is_admin(self, request: Request) -> bool:
-        """Whether the request carried the admin key (or needs none: see the docstring)."""
-        return self._is_admin(request)
 
     def namespace(self, request: Request, cache_salt: str | None) -> str | None:
         """The cache namespace of one request: the server-derived tenant, subdivided by the
@@ -139,11 +131,6 @@ class Tenancy:
     def whole_pages(self, num_tokens: int) -> int:
         """`num_tokens` rounded down to whole pages (aggregate counts shown coarsely)."""
         return num_tokens // self.page * self.page
-
-    @property
-    def hides_cached_tokens(self) -> bool:
-        """report_cached_tokens="none": no count of cached tokens reaches a non-admin caller."""
-        return self._report == "none"
 
     # -- helpers -----------------------------------------------------------------------------
 
