@@ -22,11 +22,11 @@ from pydantic import BaseModel
 
 from radixlm.agents.chat import ChatOutputs
 from radixlm.agents.grammar import Constraint
-from radixlm.observatory.routes import Reports, with_cache_report
 from radixlm.observatory.segments import chat_segments
 from radixlm.request import SamplingParams
 from radixlm.server.chat_protocol import ChatCompletionRequest
 from radixlm.server.intake import check_model, parse_body, plan_chat
+from radixlm.server.observatory_routes import Reports, start_report, with_cache_report
 from radixlm.server.protocol import CompletionRequest, SamplingRequest
 from radixlm.server.respond import respond
 from radixlm.server.responses import Kind, ResponseHeader
@@ -43,13 +43,14 @@ def openai_router(state: ServerState) -> APIRouter:
     async def completions(request: Request) -> Response:
         body = await parse_body(request, state, CompletionRequest, chat=False)
         check_model(state, body.model)
+        state.admission.check_fields(body)  # stop, logit_bias: bounded before anything reads them
         prompts = [await state.admission.prompt_ids(p) for p in body.prompts]
         header = _header(state, body, "completion", body.logprobs, prompts)
         params = _sampling_params(state, body, prompts, body.max_tokens, body.logprobs, "prompt")
         namespace = state.tenancy.namespace(request, body.cache_salt)
         reports: Reports = []
         if body.return_cache_report:  # explained only when asked: no cost for the others
-            reports = [state.observatory.report_soon(p, namespace) for p in prompts]
+            reports = [start_report(state, p, namespace) for p in prompts]
         answer = respond(request, state, body, prompts, params, header, namespace, "prompt")
         return await _with_reports(answer, reports, batch=body.is_batch)
 
@@ -59,6 +60,7 @@ def openai_router(state: ServerState) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, state, ChatCompletionRequest, chat=True)
         check_model(state, body.model)
+        state.admission.check_fields(body, body.messages)  # before tools compile or render
         namespace = state.tenancy.namespace(request, body.cache_salt)
         response_format = body.response_format.to_dict() if body.response_format else None
         plan = await plan_chat(
@@ -78,7 +80,7 @@ def openai_router(state: ServerState) -> APIRouter:
             segments = functools.partial(
                 chat_segments, agents.renderer, body.template_messages, plan.tools
             )
-            reports = [state.observatory.report_soon(prompt, namespace, segments)]
+            reports = [start_report(state, prompt, namespace, segments)]
         answer = respond(
             request, state, body, [prompt], params, header, namespace, "messages", outputs
         )

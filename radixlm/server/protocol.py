@@ -26,6 +26,8 @@ MAX_STOP = 16  # stop strings per request
 MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 MAX_BATCH_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value; larger ones are clamped
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's bound on logit_bias entries
+MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key: ASCII digits, no more than an int32 id needs
 
 
 class ParamError(ValueError):
@@ -241,10 +243,22 @@ class ChatMessage(_Strict):
 
 
 def check_logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:
-    """A logit_bias whose keys are token ids (ValueError otherwise)."""
+    """A logit_bias whose keys are token ids: at most MAX_LOGIT_BIAS_ENTRIES of them, each of at
+    most MAX_TOKEN_ID_DIGITS ASCII digits, no token twice (ValueError otherwise)."""
+    if bias is not None and len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} logit_bias entries are allowed")
+    seen: dict[int, str] = {}
     for key in bias or {}:
-        if not key.isdigit():
-            raise ValueError(f"logit_bias keys must be token ids; got {key!r}")
+        # ASCII digits only: str.isdigit() takes "²" and other digits int() refuses
+        if not (key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS):
+            raise ValueError(
+                f"logit_bias keys must be token ids (at most {MAX_TOKEN_ID_DIGITS} ASCII "
+                f"digits); got {key[:32]!r}"
+            )
+        token = int(key)
+        if token in seen:  # "7" and "07": one token, whose biases would add up
+            raise ValueError(f"logit_bias lists token {token} twice ({seen[token]!r}, {key!r})")
+        seen[token] = key
     return bias
 
 

@@ -32,9 +32,9 @@ class ServerState:
     model_name: str
     limits: ModelLimits
     admission: Admission  # length checks and the tokenizer threads
-    tenancy: Tenancy  # API keys, cache namespaces, what cached_tokens reports
+    tenancy: Tenancy  # API keys, tenants and namespaces, what lengths each caller is told
     snapshots: SnapshotCache  # /metrics' engine snapshots, shared by scrapes close together
-    observatory: Observatory  # cache reports on request (return_cache_report), /v1/cache/report
+    observatory: Observatory  # cache reports on request, per tenant (server/observatory_routes.py)
     agents: ChatAgents  # the prompt renderer, its turn memo and the grammars, for every route
     responses: ResponseStore  # the Responses API's stored responses, per namespace
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
@@ -50,15 +50,16 @@ class ServerState:
             vocab_size=int(core.runner.vocab_size),
         )
         metrics = ServerMetrics()
+        tenancy = Tenancy(config)
         return cls(
             engine,
             config,
             config.model_name or served_name(core.model_config.path),
             limits,
             Admission(core.tokenizer, limits, config),
-            Tenancy(config),
+            tenancy,
             SnapshotCache(config.metrics_snapshot_ttl_s),
-            Observatory.attach(engine, metrics, config.cache_page_text),
+            Observatory(engine, metrics, config.cache_page_text, tenancy.tenant_of),
             ChatAgents(core.tokenizer, limits.vocab_size),
             ResponseStore(config.max_stored_responses, config.max_stored_response_bytes),
             metrics,

@@ -54,6 +54,7 @@ def responses_router(state: ServerState) -> APIRouter:
     async def create(request: Request) -> Response:
         body = await parse_body(request, state, ResponsesRequest, chat=True)
         check_model(state, body.model)
+        state.admission.check_fields(body)  # input, tools, text.format: before they are read
         namespace = state.tenancy.namespace(request, body.cache_salt)
         previous = _previous(state, namespace, body.previous_response_id)
         try:
