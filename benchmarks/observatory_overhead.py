@@ -224,7 +224,7 @@ def report_cost() -> tuple[int, float]:
     def one() -> None:
         segments = chat_segments(replay.renderer, bodies[1], ())
         others = replay.prompts.others(ids, None)
-        probe = probe_tree(replay.tree, ids, None, replay.evictions, others)
+        probe = probe_tree(replay.tree, ids, None, others)
         explain(probe, ids, replay.decode, segments)
 
     times = [timeit.timeit(one, number=1) for _ in range(30)]

@@ -119,6 +119,9 @@ class ServerConfig:
     port: int = 8000
     # When non-empty, every /v1 route needs `Authorization: Bearer KEY` with one of these keys.
     api_keys: tuple[str, ...] = ()
+    # The key of cache-wide routes (flush, server-wide statistics, every tenant's observatory);
+    # never a tenant key (docs/security.md).
+    admin_key: str | None = None
     model_name: str | None = None  # the id /v1/models serves; None = from the model path
     worker_id: str | None = None  # this replica's name in x-radixlm-worker; None = host:port
     retry_after_s: int = 1  # the Retry-After of a 503 when the waiting queue is full
@@ -131,10 +134,15 @@ class ServerConfig:
     max_body_bytes: int = 32 * 1024 * 1024  # a larger request body is a 413, read no further
     body_timeout_s: float = 30.0  # the whole body must arrive within this (else 408)
     body_idle_timeout_s: float = 10.0  # and no gap between two of its pieces may be longer
+    header_timeout_s: float = 10.0  # a connection's request headers must arrive within this
     max_concurrent_tokenizations: int = 2  # prompts tokenized at once (threads)
     max_queued_tokenizations: int = 64  # more waiting than this is a 503
     metrics_snapshot_ttl_s: float = 1.0  # /metrics reuses an engine snapshot this young
     cache_page_text: bool = False  # /cache and /v1/cache/tree show token text (prompts: private)
+    # The Responses API's stored responses (store + previous_response_id): at most this many per
+    # cache namespace, and this many bytes (their text and token ids) in all; LRU dropped first
+    max_stored_responses: int = 1024
+    max_stored_response_bytes: int = 256 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -145,6 +153,13 @@ class ServerConfig:
             isinstance(k, str) and k and k == k.strip() and k.isprintable() for k in self.api_keys
         ):
             raise ValueError("api_keys must be a tuple of non-empty printable strings")
+        if self.admin_key is not None and not (
+            self.admin_key and self.admin_key == self.admin_key.strip()
+            and self.admin_key.isprintable()
+        ):  # fmt: skip
+            raise ValueError("admin_key must be a non-empty printable string")
+        if self.admin_key is not None and self.admin_key in self.api_keys:
+            raise ValueError("admin_key must differ from every API key (tenant keys)")
         if self.model_name is not None and not self.model_name:
             raise ValueError("model_name must be non-empty when given")
         if self.worker_id is not None and not (
@@ -167,14 +182,15 @@ class ServerConfig:
                 "report_cached_tokens must be 'exact', 'page' or 'none', "
                 f"got {self.report_cached_tokens!r}"
             )
-        for name in ("cached_tokens_page", "max_body_bytes", "max_concurrent_tokenizations"):
+        for name in ("cached_tokens_page", "max_body_bytes", "max_concurrent_tokenizations",
+                     "max_stored_responses", "max_stored_response_bytes"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queued_tokenizations < 0:
             raise ValueError(
                 f"max_queued_tokenizations must be >= 0, got {self.max_queued_tokenizations}"
             )
-        for name in ("body_timeout_s", "body_idle_timeout_s"):
+        for name in ("body_timeout_s", "body_idle_timeout_s", "header_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.metrics_snapshot_ttl_s < 0:

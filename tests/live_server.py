@@ -5,16 +5,22 @@
         OpenAI(base_url=server.url + "/v1", api_key="k")...
         server.wait_idle()                           # /v1/cache once no request holds a slot
 
+A multi-tenant server (API keys, or header tenants) gets an admin key (`admin_key`, by default
+TEST_ADMIN_KEY, unless its config names one; None leaves it without), and the LiveServer sends
+it on the cache-wide routes (OPERATOR_PATHS), as an operator would; every other request carries
+the tenant key `api_key`.
+
 Nothing is downloaded: the tokenizer is 256 byte tokens (byte b is token b) plus ChatML specials,
 built in memory.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,17 +29,21 @@ from typing import Any
 import httpx
 import torch
 import uvicorn
+from starlette.types import ASGIApp
 
 from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
 from radixlm.engine.async_engine import AsyncEngine
 from radixlm.engine.engine import Engine
 from radixlm.server.app import create_app
+from radixlm.server.connections import header_timeout_protocol
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEST_ADMIN_KEY = "test-admin-key"
+OPERATOR_PATHS = frozenset({"/v1/cache", "/v1/cache/flush", "/flush_cache", "/metrics"})
 
 
 def save_tiny_chat_model(
@@ -90,18 +100,26 @@ class LiveServer:
     url: str
     api_key: str | None
     engine: AsyncEngine
+    admin_key: str | None = None
 
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
+    def headers_for(self, path: str) -> dict[str, str]:
+        """The admin key on the cache-wide routes (when the server has one), else the tenant's."""
+        if self.admin_key and path in OPERATOR_PATHS:
+            return {"Authorization": f"Bearer {self.admin_key}"}
+        return self.headers
+
     def get(self, path: str, **kwargs: Any) -> httpx.Response:
         kwargs.setdefault("timeout", 60)
-        return httpx.get(self.url + path, headers=self.headers, **kwargs)
+        headers = {**self.headers_for(path), **kwargs.pop("headers", {})}
+        return httpx.get(self.url + path, headers=headers, **kwargs)
 
     def post(self, path: str, **kwargs: Any) -> httpx.Response:
         kwargs.setdefault("timeout", 60)
-        headers = {**self.headers, **kwargs.pop("headers", {})}
+        headers = {**self.headers_for(path), **kwargs.pop("headers", {})}
         return httpx.post(self.url + path, headers=headers, **kwargs)
 
     def cache(self) -> dict[str, Any]:
@@ -127,9 +145,12 @@ def live_server(
     cache: CacheConfig | None = None,
     scheduler: SchedulerConfig | None = None,
     server: ServerConfig | None = None,
+    admin_key: str | None = TEST_ADMIN_KEY,
+    wrap: Callable[[ASGIApp], ASGIApp] | None = None,
 ) -> Iterator[LiveServer]:
     """A server on a free port; `server` overrides the ServerConfig (its api_keys win over
-    `api_key`, which is the one key the LiveServer's requests carry)."""
+    `api_key`, which is the one key the LiveServer's requests carry); `wrap` wraps the app (a
+    test's own middleware, outermost)."""
     async_engine = AsyncEngine(
         lambda: Engine(
             ModelConfig(path=str(model_path), dtype="float32", num_threads=1),
@@ -139,13 +160,18 @@ def live_server(
     )
     async_engine.start()
     keys = (api_key,) if api_key else ()
-    config = server or ServerConfig(api_keys=keys, model_name="tiny")
-    app = create_app(async_engine, config)
+    config = _with_admin_key(server or ServerConfig(api_keys=keys, model_name="tiny"), admin_key)
+    app: ASGIApp = create_app(async_engine, config)
+    if wrap is not None:
+        app = wrap(app)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))  # a free port, held from now on: no race with other tests
     port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    http = header_timeout_protocol(config.header_timeout_s)  # as `radixlm serve` runs it
+    uv = uvicorn.Server(
+        uvicorn.Config(app, http=http, log_level="warning", timeout_graceful_shutdown=2)
+    )
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -154,9 +180,17 @@ def live_server(
             if time.monotonic() > deadline or not thread.is_alive():
                 raise RuntimeError("the test server did not start")
             time.sleep(0.02)
-        yield LiveServer(f"http://127.0.0.1:{port}", api_key, async_engine)
+        yield LiveServer(f"http://127.0.0.1:{port}", api_key, async_engine, config.admin_key)
     finally:
         uv.should_exit = True
         thread.join(timeout=10)
         async_engine.shutdown()
         sock.close()
+
+
+def _with_admin_key(config: ServerConfig, admin_key: str | None) -> ServerConfig:
+    """`config`, with `admin_key` when it is multi-tenant and names none."""
+    multi_tenant = bool(config.api_keys) or config.salt_from.startswith("header:")
+    if config.admin_key is None and multi_tenant and admin_key is not None:
+        return dataclasses.replace(config, admin_key=admin_key)
+    return config

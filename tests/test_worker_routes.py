@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -107,19 +108,18 @@ def test_flush_cache_alias_and_server_info(model: Path) -> None:
 
 
 def test_worker_routes_follow_the_api_key(model: Path) -> None:
+    """/v1/loads and /server_info take the tenant key; /flush_cache is cache-wide and takes
+    the admin key only."""
     with live_server(model, api_key="secret") as server:
-        for method, path in (
-            ("GET", "/v1/loads"),
-            ("GET", "/server_info"),
-            ("POST", "/flush_cache"),
-        ):
-            allowed = server.get(path) if method == "GET" else server.post(path)  # with the key
-            assert allowed.status_code == 200, (path, allowed.text)
-            server.api_key = None
-            refused = server.get(path) if method == "GET" else server.post(path)
+        for path in ("/v1/loads", "/server_info"):
+            assert server.get(path).status_code == 200, path  # with the tenant key
+            refused = httpx.get(server.url + path, timeout=30)
             assert refused.status_code == 401, path
             assert refused.json()["error"]["code"] == "invalid_api_key"
-            server.api_key = "secret"
+        tenant = httpx.post(server.url + "/flush_cache", headers=server.headers, timeout=30)
+        assert tenant.status_code == 401 and "admin key" in tenant.json()["error"]["message"]
+        assert httpx.post(server.url + "/flush_cache", timeout=30).status_code == 401
+        assert server.post("/flush_cache").status_code == 200  # the admin key
         # liveness stays open, and every response names the replica
         server.api_key = None
         health = server.get("/health")

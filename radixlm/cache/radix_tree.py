@@ -78,8 +78,8 @@ class RadixTree:
         self.num_nodes = 0
         self._num_queries = self._queried_tokens = self._hit_tokens = 0
         self._inserted_tokens = self._evicted_tokens = self._num_splits = 0
-        # Called with each node just before it is evicted (the observatory's record); None by
-        # default, so eviction pays one attribute test per node and nothing more.
+        # Called with each node just before it is evicted (a simulated L2, a test's check); None
+        # by default. The record of evicted edges is `turns`, always on (cache/turns.py).
         self.eviction_listener: Callable[[TreeNode], None] | None = None
 
     @property

@@ -1,36 +1,65 @@
-"""Which conversation turn a new sequence is: the tree's memory of conversations it evicted.
+"""Which conversation turn a new sequence is, and the one record of edges the tree evicted.
 
 A sequence whose cached prefix is most of it continues a conversation: its new tail is one turn
 deeper than the node it hangs under. But a cache under pressure has often evicted the earlier
 turn by the time the next one arrives, and the tail would look like a new conversation. So
-each evicted node leaves a *ghost*: its namespace, where its edge starts and its first tokens,
-with its turn. A sequence whose walk stops where a ghost's edge started and continues with the
-ghost's first tokens continues that conversation (ARC's ghost lists, for turns instead of
-frequencies). Ghosts are a bounded FIFO of a few bytes each and hold no KV.
+each evicted node leaves a *ghost* in the record: its namespace, where its edge starts and its
+first tokens are the key; its turn, length and eviction time the value. Two readers:
 
-Eviction policies (cache/eviction.py) and L2 admission read `node.turn`; nothing else does, so
-a wrong guess costs hit rate, never correctness.
+- turn inference: a sequence whose walk stops where a ghost's edge started and that continues
+  with the ghost's first GHOST_TOKENS tokens continues that conversation (ARC's ghost lists, for
+  turns instead of frequencies). Eviction policies (cache/eviction.py) and L2 admission read
+  `node.turn`; nothing else does, so a wrong guess costs hit rate, never correctness.
+- the observatory's "evicted" reason (`evicted_run`): the evicted edges a prompt follows from
+  where its match ended, chained edge by edge, in the prompt's own namespace only.
+
+Rules: a ghost is keyed by its namespace, so no lookup ever sees another namespace's evictions
+(a tenant cannot learn what another tenant's evicted prompts held). An edge is remembered by
+where it started and how it began (its first GHOST_TOKENS ids, or all of a shorter edge), not
+by its whole path (hashing the path would cost O(depth) per eviction), so a lookup is a strong
+hint, not a proof. The record is a bounded FIFO of a few hundred bytes per ghost and holds no
+KV; recording is one dict write per evicted node.
 """
 
 from __future__ import annotations
 
+import time
+from typing import NamedTuple
+
+import numpy as np
+
 from radixlm.cache.tree_node import TOKEN_BYTES, Namespace, TreeNode
 
-GHOST_TOKENS = 16  # tokens of an edge that identify it; shorter evicted edges leave no ghost
+GHOST_TOKENS = 16  # tokens of an edge that identify it (all of a shorter edge)
 MAX_GHOSTS = 1 << 16  # the oldest ghost is forgotten beyond this many
 
 MAX_TURN = 8  # turns counted separately for return rates; deeper ones count as this one
 MIN_SAMPLES = 64  # new conversations at a turn before its return rate is trusted
 
-GhostKey = tuple[Namespace, int, bytes]  # (namespace, depth where the edge starts, its tokens)
+GhostKey = tuple[Namespace, int, bytes]  # (namespace, depth where the edge starts, its head)
+
+
+class Ghost(NamedTuple):
+    """What the record keeps of one evicted edge."""
+
+    turn: int  # the deepest turn evicted at or below the edge
+    length: int  # tokens on the whole edge
+    evicted_at: float  # time.time() of the (latest) eviction
+
+
+class EvictedRun(NamedTuple):
+    evicted_at: float  # the latest eviction among the edges found
+    num_tokens: int  # prompt tokens after the match that evicted edges had held (a lower bound)
 
 
 class TurnTracker:
-    """Infers `turn` for new leaves; remembers the turns of evicted nodes (see the module)."""
+    """Infers `turn` for new leaves; the record of evicted edges (see the module docstring).
+    Not locked: the tree calls it inside insert and evict, and probes read it, all in the one
+    thread that owns the tree (the engine thread)."""
 
     def __init__(self, max_ghosts: int = MAX_GHOSTS) -> None:
         self.max_ghosts = max_ghosts
-        self._ghosts: dict[GhostKey, int] = {}
+        self._ghosts: dict[GhostKey, Ghost] = {}  # insertion order: oldest first
         self.new_leaves = [0] * (MAX_TURN + 2)  # new leaves (sequences) per inferred turn
 
     def __len__(self) -> int:
@@ -40,9 +69,10 @@ class TurnTracker:
         """The turn of a new leaf under `parent` for the sequence `buf` (int64 bytes) whose
         first `pos` bytes are cached."""
         turn = parent.turn + 1 if 2 * pos >= len(buf) else 1
-        ghost = self._ghosts.get(_key(namespace, pos, buf))
-        if ghost is not None:
-            turn = max(turn, ghost + 1)
+        head = buf[pos : pos + GHOST_TOKENS * TOKEN_BYTES]
+        ghost = self._ghosts.get((namespace, pos // TOKEN_BYTES, head))
+        if ghost is not None and ghost.length >= GHOST_TOKENS:  # short edges name no turn
+            turn = max(turn, ghost.turn + 1)
         self.new_leaves[min(turn, MAX_TURN + 1)] += 1
         return turn
 
@@ -62,21 +92,39 @@ class TurnTracker:
         assert parent is not None  # roots are never evicted
         if parent.turn_below < turn:
             parent.turn_below = turn
-        if len(node.key) < GHOST_TOKENS * TOKEN_BYTES:
-            return
         root = parent
         while root.parent is not None:
             root = root.parent
-        start = (node.depth - len(node.value)) * TOKEN_BYTES
-        key = _key(root.namespace, start, node.key, 0)
-        older = self._ghosts.pop(key, 0)  # re-entered at the young end of the FIFO
-        self._ghosts[key] = max(turn, older)
+        length = len(node.value)
+        key = (root.namespace, node.depth - length, node.key[: GHOST_TOKENS * TOKEN_BYTES])
+        older = self._ghosts.pop(key, None)  # re-entered at the young end of the FIFO
+        if older is not None:
+            turn = max(turn, older.turn)
+        self._ghosts[key] = Ghost(turn, length, time.time())
         if len(self._ghosts) > self.max_ghosts:
             del self._ghosts[next(iter(self._ghosts))]
 
-
-def _key(namespace: Namespace, start: int, buf: bytes, offset: int | None = None) -> GhostKey:
-    """The ghost key of an edge starting at byte `start` whose tokens begin at `buf[offset:]`
-    (offset defaults to `start`: `buf` is the whole sequence)."""
-    at = start if offset is None else offset
-    return (namespace, start // TOKEN_BYTES, buf[at : at + GHOST_TOKENS * TOKEN_BYTES])
+    def evicted_run(self, ids: np.ndarray, start: int, namespace: Namespace) -> EvictedRun | None:
+        """The evicted edges of `namespace` that `ids` (int64) follows from position `start` on,
+        chained edge by edge (a leaf goes first, then its parent: the run is rebuilt from the
+        top down). Each step tries the edge's longest possible head first (a long edge), then
+        shorter ones (a short edge, whole): at most GHOST_TOKENS lookups. Reads only."""
+        buf, n = ids.tobytes(), len(ids)
+        pos, found, when = start, 0, 0.0
+        while pos < n:
+            ghost = None
+            for k in range(min(GHOST_TOKENS, n - pos), 0, -1):
+                ghost = self._ghosts.get(
+                    (namespace, pos, buf[pos * TOKEN_BYTES : (pos + k) * TOKEN_BYTES])
+                )
+                if ghost is not None:
+                    break
+            if ghost is None:
+                break
+            # The head matched: the edge is counted whole (the rest of it is unseen, which is
+            # why this is a hint), and the run goes on at the edge's end.
+            step = min(ghost.length, n - pos)
+            found += step
+            pos += step
+            when = max(when, ghost.evicted_at)
+        return EvictedRun(when, found) if found else None

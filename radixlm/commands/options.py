@@ -64,17 +64,23 @@ _HELP = {
     "max_body_bytes": "a larger request body is a 413, read no further",
     "body_timeout_s": "seconds a request body may take to arrive (then 408)",
     "body_idle_timeout_s": "seconds a request body may pause between pieces (then 408)",
+    "header_timeout_s": "seconds a connection may take to send its request headers (then it "
+    "is closed)",
     "max_concurrent_tokenizations": "prompts tokenized at once, in threads",
     "max_queued_tokenizations": "prompts waiting for a tokenizer thread; more is a 503",
     "metrics_snapshot_ttl_s": "/metrics reuses an engine snapshot this young",
     "cache_page_text": "the /cache page shows token text (prompts are private)",
+    "max_stored_responses": "stored responses (the Responses API) per cache namespace",
+    "max_stored_response_bytes": "bytes of stored responses, all namespaces together",
 }
 
 # ServerConfig fields with a flag of their own; api_keys comes from --api-key / --api-key-file.
 _SERVER_FLAGS = (
     "host", "port", "model_name", "salt_from", "report_cached_tokens", "cached_tokens_page",
-    "max_body_bytes", "body_timeout_s", "body_idle_timeout_s", "max_concurrent_tokenizations",
+    "max_body_bytes", "body_timeout_s", "body_idle_timeout_s", "header_timeout_s",
+    "max_concurrent_tokenizations",
     "max_queued_tokenizations", "metrics_snapshot_ttl_s", "worker_id", "cache_page_text",
+    "max_stored_responses", "max_stored_response_bytes",
 )  # fmt: skip
 
 
@@ -145,6 +151,15 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key-file", metavar="PATH",
         help="API keys, one per line ('#' comments); keeps them out of the process list",
     )  # fmt: skip
+    keys.add_argument(
+        "--admin-key", metavar="KEY",
+        help="the key of cache-wide routes (/v1/cache, /v1/cache/flush, /flush_cache, and "
+        "/metrics once set) and of every tenant's observatory; never a tenant key",
+    )  # fmt: skip
+    keys.add_argument(
+        "--admin-key-file", metavar="PATH",
+        help="the admin key, read from the first line of this file",
+    )  # fmt: skip
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -159,7 +174,25 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         keys += [line for line in lines if line and not line.startswith("#")]
         if not keys:
             raise ValueError(f"--api-key-file {args.api_key_file} holds no key")
-    return config_from_args(args, ServerConfig, api_keys=tuple(dict.fromkeys(keys)))
+    admin = args.admin_key
+    if args.admin_key_file:
+        admin = _first_key(args.admin_key_file, "--admin-key-file")
+    return config_from_args(
+        args, ServerConfig, api_keys=tuple(dict.fromkeys(keys)), admin_key=admin
+    )
+
+
+def _first_key(path: str, flag: str) -> str:
+    """The first line of `path` that is neither empty nor a '#' comment."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.strip() for line in f]
+    except OSError as exc:
+        raise ValueError(f"cannot read {flag}: {exc}") from exc
+    key = next((line for line in lines if line and not line.startswith("#")), None)
+    if key is None:
+        raise ValueError(f"{flag} {path} holds no key")
+    return key
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int) -> None:

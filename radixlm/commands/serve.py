@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from radixlm.commands.local import load_engine
     from radixlm.engine.async_engine import AsyncEngine
     from radixlm.server.app import create_app
+    from radixlm.server.connections import header_timeout_protocol
 
     try:
         configs = engine_configs(args)
@@ -66,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
                 app,
                 host=config.host,
                 port=config.port,
+                http=header_timeout_protocol(config.header_timeout_s),
                 log_level=args.log_level,
                 timeout_graceful_shutdown=int(config.graceful_shutdown_s),
             ),

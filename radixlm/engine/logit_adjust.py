@@ -2,14 +2,16 @@
 
 Both functions return the logits untouched when no row asks for anything, else a changed copy,
 and change only the positions a row names (the tokens it has seen, biased or banned): a few
-hundred per row, not (R, V). No value SamplingParams accepts makes a finite logit +inf or NaN
-(only a min_tokens ban is -inf), and the penalties keep the exact order of realistic logits
-(see MIN_REPETITION_PENALTY).
+hundred per row, not (R, V). A row's logit_bias and bans are tensors built once per request
+(`RowAdjust`), never walked in Python per step. No value SamplingParams accepts makes a finite
+logit +inf or NaN (only a min_tokens ban is -inf), and the penalties keep the exact order of
+realistic logits (see MIN_REPETITION_PENALTY).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -94,34 +96,66 @@ def _clamped_penalty(params: SamplingParams) -> float:
     return min(max(params.repetition_penalty, MIN_REPETITION_PENALTY), MAX_REPETITION_PENALTY)
 
 
+@dataclass(frozen=True)
+class RowAdjust:
+    """One request's logit_bias and min_tokens bans as tensors, normalised once: ids below the
+    vocabulary only, a token listed twice summed into one entry."""
+
+    vocab_size: int
+    bias_ids: torch.Tensor  # (B,) long, distinct
+    bias_values: torch.Tensor  # (B,) float32
+    banned_ids: torch.Tensor  # (S,) long: end-of-sequence and stop ids
+
+    @classmethod
+    def of(
+        cls, logit_bias: Sequence[tuple[int, float]], stop_ids: Iterable[int], vocab_size: int
+    ) -> RowAdjust:
+        summed: dict[int, float] = {}
+        for token, bias in logit_bias:
+            if token < vocab_size:
+                summed[token] = summed.get(token, 0.0) + bias
+        banned = sorted(t for t in stop_ids if t < vocab_size)
+        return cls(
+            vocab_size,
+            torch.tensor(list(summed), dtype=torch.long),
+            torch.tensor(list(summed.values()), dtype=torch.float32),
+            torch.tensor(banned, dtype=torch.long),
+        )
+
+
 def apply_logit_bias(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
     """Return logits with each row's logit_bias added and, while a row has fewer outputs than
-    its min_tokens, its stop ids at -inf (the input itself when no row has either).
+    its min_tokens, its stop ids at -inf (the input itself when no row has either). Each row's
+    entries are tensors built once per request (`RowAdjust`): a step adds them with one
+    index_put_, whatever their number.
 
     A complete grammar allows only an end-of-sequence id: min_tokens then bans nothing, or the
     row would have no token left.
     """
-    rows: list[int] = []
-    cols: list[int] = []
-    values: list[float] = []
     vocab_size = logits.shape[1]
+    rows: list[torch.Tensor] = []
+    cols: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
     for i, s in enumerate(states):
-        for token, bias in s.params.logit_bias:
-            if token < vocab_size:
-                rows.append(i)
-                cols.append(token)
-                values.append(bias)
         finished = s.matcher is not None and s.matcher.is_finished
-        if len(s.output_ids) < s.params.min_tokens and not finished:
-            banned = [t for t in s.stop_ids if t < vocab_size]
-            rows += [i] * len(banned)
-            cols += banned
-            values += [float("-inf")] * len(banned)
+        banning = len(s.output_ids) < s.params.min_tokens and not finished
+        if not s.params.logit_bias and not banning:
+            continue
+        adjust = s.row_adjust(vocab_size)
+        if len(adjust.bias_ids):
+            cols.append(adjust.bias_ids)
+            values.append(adjust.bias_values)
+            rows.append(torch.full_like(adjust.bias_ids, i))
+        if banning and len(adjust.banned_ids):
+            cols.append(adjust.banned_ids)
+            values.append(torch.full(adjust.banned_ids.shape, float("-inf")))
+            rows.append(torch.full_like(adjust.banned_ids, i))
     if not rows:
         return logits
     logits = logits.clone()
-    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
-    logits.index_put_(index, torch.tensor(values, device=logits.device), accumulate=True)
+    device = logits.device
+    index = (torch.cat(rows).to(device), torch.cat(cols).to(device))
+    logits.index_put_(index, torch.cat(values).to(device), accumulate=True)
     # A bias beyond float32 (SamplingParams accepts any finite one) must not make a row's top
     # +inf, which fails the row: it stops at float32's largest. Bans stay -inf.
     logits[index] = logits[index].clamp_(max=FLOAT32.max)

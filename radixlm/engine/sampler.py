@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from radixlm.agents.grammar import GrammarError, GrammarMatcher, apply_token_masks
-from radixlm.engine.logit_adjust import apply_logit_bias, apply_penalties
+from radixlm.engine.logit_adjust import RowAdjust, apply_logit_bias, apply_penalties
 from radixlm.engine.sampling_ops import (
     inverse_cdf,
     keep_min_p,
@@ -64,6 +64,8 @@ class SamplingState:
     matcher: GrammarMatcher | None = field(init=False, repr=False)
     # The prompt never changes, so its token set (for the repetition penalty) is built once.
     _prompt_tensor: torch.Tensor | None = field(default=None, init=False, repr=False)
+    # logit_bias and the min_tokens bans as tensors, built once (logit_adjust.RowAdjust)
+    _adjust: RowAdjust | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         constraint = self.params.constraint
@@ -85,6 +87,13 @@ class SamplingState:
         if self._prompt_tensor is None:
             self._prompt_tensor = torch.as_tensor(list(self.prompt_ids), dtype=torch.long)
         return self._prompt_tensor
+
+    def row_adjust(self, vocab_size: int) -> RowAdjust:
+        """This request's logit_bias (duplicates summed) and bans, normalised into tensors on
+        first use: a step then costs tensor ops, never a Python loop over the entries."""
+        if self._adjust is None or self._adjust.vocab_size != vocab_size:
+            self._adjust = RowAdjust.of(self.params.logit_bias, self.stop_ids, vocab_size)
+        return self._adjust
 
 
 class SampleOutput(NamedTuple):

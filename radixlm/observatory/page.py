@@ -6,8 +6,10 @@ trunk, a 20-token answer a short twig); leaves take one row each and a parent si
 of its children. Colors: locked (a running request holds it) orange, next to be evicted red, an
 aggregate of small subtrees grey, the rest blue, fading with time since last use.
 
-The page itself is public and holds no data. When the server has API keys, the data routes
-answer 401 until the script sends `Authorization: Bearer KEY`: it takes the key from the URL
+The page itself is public and holds no data. It draws what the key it is given may see: a
+tenant key, that tenant's own namespaces and misses; the admin key, all of them. When the
+server has API keys, the data routes answer 401 until the script sends `Authorization: Bearer
+KEY`: it takes the key from the URL
 fragment (/cache#key=KEY, which never leaves the browser; it is then cleared from the address
 bar) or from a field it shows on a 401, and keeps it in sessionStorage (this tab only). Never
 from a query string, which would land in access logs.
@@ -135,7 +137,11 @@ async function getJson(path) {
   const key = takeKey();
   const r = await fetch(path, {headers: key ? {Authorization: "Bearer " + key} : {}});
   if (r.status === 401) throw "key";
-  if (!r.ok) throw `${path}: HTTP ${r.status}`;
+  if (!r.ok) {  // the server's own words (a 403 says which key or option the data needs)
+    let message = `${path}: HTTP ${r.status}`;
+    try { message = (await r.json()).error.message; } catch (e) {}
+    throw message;
+  }
   return r.json();
 }
 

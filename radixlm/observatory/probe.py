@@ -1,8 +1,9 @@
 """A read-only walk of the radix tree for one prompt: how far it matches, what the tree holds
-right after, and whether another namespace or an evicted edge had more.
+right after, and whether another namespace of the same tenant or an evicted edge had more.
 
-Other namespaces are not walked one by one: the caller names the few that sent a prompt like
-this one (salts.py), and each is peeked (O(depth) each).
+Other namespaces are not walked one by one: the caller names the few of the same tenant that
+sent a prompt like this one (salts.py), and each is peeked (O(depth) each). Evicted edges come
+from the tree's own record (cache/turns.py), in the prompt's namespace only.
 
 Run `probe_tree` where the tree is owned (the engine thread, through `AsyncEngine.call`): it
 reads nodes but changes nothing (no split, no LRU touch, no statistics), so asking for a report
@@ -18,7 +19,7 @@ import numpy as np
 
 from radixlm.cache.radix_tree import RadixTree
 from radixlm.cache.tree_node import TOKEN_BYTES, Namespace, TreeNode
-from radixlm.observatory.evictions import EvictedRun, EvictionLog
+from radixlm.cache.turns import EvictedRun
 
 # Tokens of the tree's continuation kept for the comparison: enough for the text around the
 # divergence and for a few reordered JSON objects, bounded so a probe stays cheap.
@@ -28,24 +29,23 @@ MAX_CONTINUATION = 2048
 class TreeProbe(NamedTuple):
     cached_len: int  # prompt tokens the engine reuses (its lookup key is all but the last)
     continuation: tuple[int, ...]  # what the tree holds right after: the most recent branch
-    other_namespace_len: int  # the longest match of the same lookup key under another salt
-    evicted: EvictedRun | None  # evicted edges the prompt follows from cached_len on
+    other_namespace_len: int  # the longest match of the lookup key in another of its namespaces
+    evicted: EvictedRun | None  # evicted edges of its namespace it follows from cached_len on
 
 
 def probe_tree(
     tree: RadixTree,
     prompt: list[int] | np.ndarray,
     namespace: Namespace,
-    evictions: EvictionLog | None = None,
     others: Iterable[Namespace] = (),
 ) -> TreeProbe:
     """Walk `prompt[:-1]` (the engine's lookup key: the last prompt token is always computed,
     its logits start the output) in `namespace`, and peek it in each of `others` (the
-    namespaces `PromptIndex.others` names). Reads the tree only."""
+    namespaces of the same tenant `PromptIndex.others` names). Reads the tree only."""
     ids = np.asarray(prompt, dtype=np.int64)[:-1]
     cached_len, continuation = _walk(tree, ids, namespace)
     other = max((tree.peek(ids, ns) for ns in others if ns != namespace), default=0)
-    evicted = evictions.lookup(ids, cached_len) if evictions is not None else None
+    evicted = tree.turns.evicted_run(ids, cached_len, namespace)
     return TreeProbe(cached_len, continuation, other, evicted)
 
 

@@ -18,7 +18,6 @@ import numpy as np
 from radixlm.agents.prompt import PromptRenderer, TurnMemo
 from radixlm.agents.tools import parse_tools
 from radixlm.cache.radix_tree import RadixTree
-from radixlm.observatory.evictions import EvictionLog
 from radixlm.observatory.explain import CacheReport, explain, text_decoder
 from radixlm.observatory.probe import probe_tree
 from radixlm.observatory.salts import PromptIndex
@@ -27,15 +26,14 @@ from radixlm.tokenizer import Tokenizer
 
 
 class PromptReplay:
-    """A tree, its eviction log, the prompts' index and a turn memo, fed one chat body at a
-    time."""
+    """A tree (its record of evicted edges included), the prompts' index and a turn memo, fed
+    one chat body at a time. Every `cache_salt` of the bodies is one tenant's (the salt check
+    compares them), as for a server whose requests all carry one key."""
 
     def __init__(self, tokenizer: Tokenizer, capacity: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.capacity = capacity
         self.tree = RadixTree()
-        self.evictions = EvictionLog()
-        self.tree.eviction_listener = self.evictions.record
         self.prompts = PromptIndex()
         self.memo = TurnMemo()
         self.renderer = PromptRenderer(tokenizer, self.memo)
@@ -53,7 +51,7 @@ class PromptReplay:
         ids = self.renderer.prompt_ids(messages, tools, namespace)
         segments = chat_segments(self.renderer, messages, tools)
         others = self.prompts.others(ids, namespace)
-        probe = probe_tree(self.tree, ids, namespace, self.evictions, others)
+        probe = probe_tree(self.tree, ids, namespace, others)
         self.prompts.record(ids, namespace)
         report = explain(probe, ids, self.decode, segments)
         answer = _answer(body.get("response"))

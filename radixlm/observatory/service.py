@@ -1,12 +1,18 @@
-"""The server's observatory: a cache report for a request that asks, the misses' ring and
-counters, the prompts' index for the salt check, and the eviction record hooked into the tree.
+"""The server's observatory: a cache report for a request that asks, the misses' rings and
+counters, and the prompts' index for the salt check; all of it per tenant.
 
-    observatory = Observatory.attach(engine, metrics)      # once, when the app is built
+    observatory = Observatory(engine, metrics, tenant_of=...)  # once, when the app is built
     task = observatory.report_soon(prompt, ns, segments)   # only for return_cache_report,
     ...submit the request...                               #   before the request is submitted
     observatory.note(prompts, ns)                          # every admitted request
     report = await task
-    observatory.misses.summary()                           # GET /v1/cache/report
+    observatory.summary(viewer)                            # GET /v1/cache/report
+
+Tenancy: `tenant_of(namespace)` names the tenant a namespace belongs to (the server's
+`--salt-from`: a key, a header, or the salt itself). A report compares a prompt with its own
+namespace, the evictions recorded there (cache/turns.py) and other namespaces of its own tenant
+only; it goes to its tenant's ring; a `Viewer` reads one tenant's ring and tree, or, for the
+operator, all of them. So nothing a tenant reads depends on another tenant's prompts.
 
 The tree is read in the engine thread (`AsyncEngine.call`). The probe is queued before the
 request it explains, so both run in the same pause between two steps, probe first: the probe
@@ -19,17 +25,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from radixlm.cache.tree_node import Namespace
 from radixlm.engine.async_engine import AsyncEngine
 from radixlm.engine.engine import Engine
-from radixlm.observatory.evictions import EvictionLog
 from radixlm.observatory.explain import CacheReport, explain, text_decoder
 from radixlm.observatory.probe import TreeProbe, probe_tree
-from radixlm.observatory.report import MissLog
-from radixlm.observatory.salts import PromptIndex
+from radixlm.observatory.report import MissRings
+from radixlm.observatory.salts import PromptIndex, one_tenant
 from radixlm.observatory.segments import SegmentMap
 from radixlm.observatory.tree_view import tree_picture
 
@@ -42,29 +48,30 @@ class MissCounter(Protocol):
     def observe_cache_report(self, reason: str, lost_tokens: int) -> None: ...
 
 
+@dataclass(frozen=True)
+class Viewer:
+    """Who reads the observatory: one tenant (its own namespaces, its own ring) or the
+    operator (everything)."""
+
+    tenant: Hashable = None
+    operator: bool = False
+
+
 class Observatory:
     def __init__(
-        self, engine: AsyncEngine, counter: MissCounter | None = None, show_text: bool = False
+        self,
+        engine: AsyncEngine,
+        counter: MissCounter | None = None,
+        show_text: bool = False,
+        tenant_of: Callable[[Namespace], Hashable] = one_tenant,
     ) -> None:
         self.engine = engine
         self.counter = counter
         self.show_text = show_text  # the tree picture carries token text (prompts are private)
-        self.evictions = EvictionLog()
-        self.misses = MissLog()
-        self.prompts = PromptIndex()  # written and read on the event loop only
+        self.tenant_of = tenant_of
+        self.misses = MissRings()
+        self.prompts = PromptIndex(tenant_of=tenant_of)  # written and read on the event loop
         self.decode = text_decoder(engine.tokenizer.hf_tokenizer)
-
-    @classmethod
-    def attach(
-        cls, engine: AsyncEngine, counter: MissCounter | None = None, show_text: bool = False
-    ) -> Observatory:
-        """An observatory whose eviction record listens to the engine's tree (a cache without
-        a tree, the ablation's, has nothing to record or explain)."""
-        observatory = cls(engine, counter, show_text)
-        tree = getattr(engine.engine.cache, "tree", None)
-        if tree is not None:
-            tree.eviction_listener = observatory.evictions.record
-        return observatory
 
     def report_soon(
         self,
@@ -75,26 +82,34 @@ class Observatory:
         """Start the report of `prompt` (None without a tree). Call it before submitting the
         request: its probe is queued to the engine thread first (see the module docstring).
         `segments` renders the chat map (on the worker thread); None for a plain prompt."""
-        others = self.prompts.others(prompt, namespace)
+        others = self.prompts.others(prompt, namespace)  # namespaces of its own tenant
         probe = asyncio.ensure_future(
             self.engine.call(lambda e: self._probe(e, prompt, namespace, others))
         )
-        return asyncio.ensure_future(self._explain(probe, prompt, segments))
+        return asyncio.ensure_future(self._explain(probe, prompt, namespace, segments))
 
     def note(self, prompts: Sequence[Sequence[int]], namespace: Namespace) -> None:
         """Record admitted prompts in the salt check's index (every request; O(log n) each)."""
         for prompt in prompts:
             self.prompts.record(prompt, namespace)
 
-    async def tree_picture(self, max_nodes: int) -> dict[str, Any]:
-        """The tree as `tree_view.tree_picture` draws it (empty without a tree); token text
-        decoded here, outside the engine thread, and only when `show_text` is on."""
+    def summary(self, viewer: Viewer) -> dict[str, Any]:
+        """The misses `viewer` may read: its tenant's ring, or all of them."""
+        if viewer.operator:
+            return self.misses.summary_all()
+        return self.misses.summary(viewer.tenant)
+
+    async def tree_picture(self, max_nodes: int, viewer: Viewer) -> dict[str, Any]:
+        """The tree as `tree_view.tree_picture` draws it (empty without a tree), `viewer`'s
+        namespaces only; token text decoded here, outside the engine thread, and only when
+        `show_text` is on."""
+        owns = None if viewer.operator else self._owner(viewer.tenant)
 
         def take(engine: Engine) -> dict[str, Any]:
             tree = getattr(engine.cache, "tree", None)
             if tree is None:
                 return {"num_nodes": 0, "num_tokens": 0, "nodes": []}
-            return tree_picture(tree, max_nodes, with_tokens=self.show_text)
+            return tree_picture(tree, max_nodes, with_tokens=self.show_text, owns=owns)
 
         picture = await self.engine.call(take)
         for node in picture["nodes"]:
@@ -103,10 +118,15 @@ class Observatory:
                 node["text"] = self.decode(head)
         return picture
 
+    def _owner(self, tenant: Hashable) -> Callable[[Namespace], bool]:
+        tenant_of = self.tenant_of
+        return lambda namespace: tenant_of(namespace) == tenant
+
     async def _explain(
         self,
         probe: asyncio.Future[TreeProbe | None],
         prompt: Sequence[int],
+        namespace: Namespace,
         segments: Callable[[], SegmentMap] | None,
     ) -> CacheReport | None:
         taken = await probe
@@ -121,7 +141,7 @@ class Observatory:
         except Exception:  # a report is a diagnosis: it never fails the request it describes
             log.exception("cache report failed")
             return None
-        self.misses.add(report)
+        self.misses.add(self.tenant_of(namespace), report)
         if self.counter is not None:
             self.counter.observe_cache_report(report.reason, report.lost_tokens)
         return report
@@ -132,4 +152,4 @@ class Observatory:
         tree = getattr(engine.cache, "tree", None)
         if tree is None:
             return None
-        return probe_tree(tree, list(prompt), namespace, self.evictions, others)
+        return probe_tree(tree, list(prompt), namespace, others)

@@ -1,5 +1,10 @@
 """The operator's routes: GET /health, GET /metrics, GET /v1/cache, POST /v1/cache/flush.
 
+Keys: `/health` is open. `/v1/cache` (server-wide statistics, the integrity walk) and
+`/v1/cache/flush` are cache-wide: the admin key (`Tenancy.authenticate_admin`; refused on a
+multi-tenant server that has none). `/metrics` takes the admin key once one is set, and is open
+otherwise (Prometheus), its lengths then as `--report-cached-tokens` says.
+
 `/health` never waits for the engine thread (it answers while a long prefill computes); the
 others read the engine through `AsyncEngine.call`, between two steps, with a time limit so a
 stuck engine makes them fail loudly instead of hanging. `/metrics` shares its snapshots
@@ -13,7 +18,7 @@ import asyncio
 from collections.abc import Callable
 from typing import TypeVar
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -27,8 +32,10 @@ T = TypeVar("T")
 
 
 def health_router(state: ServerState) -> APIRouter:
-    """Routes that need no API key: liveness and metrics."""
+    """Liveness (open) and metrics (the admin key once one is set)."""
     router = APIRouter()
+    tenancy = state.tenancy
+    metrics_guard = [Depends(tenancy.authenticate_admin)] if state.config.admin_key else []
 
     @router.get("/health")
     async def health() -> JSONResponse:
@@ -36,21 +43,22 @@ def health_router(state: ServerState) -> APIRouter:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @router.get("/metrics")
-    async def metrics() -> Response:
+    @router.get("/metrics", dependencies=metrics_guard)
+    async def metrics(request: Request) -> Response:
         try:
             snapshot: EngineSnapshot | None = await state.snapshots.get(
                 lambda: _call(state, take_snapshot)
             )
         except APIError:
             snapshot = None  # still expose what the server itself counted
-        return Response(state.metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
+        text = state.metrics.render(snapshot, tenancy.exact_lengths(request), tenancy.page)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return router
 
 
 def cache_router(state: ServerState) -> APIRouter:
-    """The prefix cache's statistics and flush (behind the API key when one is set)."""
+    """The prefix cache's statistics and flush (mounted behind the admin key)."""
     router = APIRouter()
 
     @router.get("/v1/cache")

@@ -12,7 +12,12 @@ A request may cost the server only what its answer is worth, so the cheap checks
    characters, so a text longer than `max_seq_len * max_chars_per_token` cannot fit, and is a 400
    before a single token is computed (a 30 MB prompt used to cost ~44 s and GBs to refuse). Chat
    counts the characters of all contents together, and the messages (every template writes at
-   least one token per message, its role marker).
+   least one token per message, its role marker). Every other field a client fills is counted
+   in the same bound before anything reads it (`check_fields`): the tools (names, descriptions,
+   schemas: rendered into the prompt), the response format's schema (compiled to a grammar),
+   the stop strings (matched against an output that must fit too) and the logit_bias entries;
+   chat adds them to its contents (a 20 MB tool description used to take 20 s of CPU before
+   its 400).
 3. Token arrays: their length against `max_seq_len`, before each id is checked.
 4. Tokenization and chat-template rendering run in a small thread pool, off the event loop, at
    most `max_concurrent_tokenizations` at once; up to `max_queued_tokenizations` more wait, and
@@ -29,12 +34,15 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
+from pydantic import BaseModel
 
 from radixlm.config import ServerConfig
 from radixlm.server.errors import APIError
 from radixlm.server.protocol import MAX_BATCH_PROMPTS, ChatMessage
 
 T = TypeVar("T")
+# The fields check_fields counts, by their names on the request models (absent ones count 0).
+FIELDS = ("input", "instructions", "tools", "response_format", "text", "logit_bias")
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,27 @@ class Admission:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
+    def check_fields(self, body: Any, messages: Sequence[ChatMessage] = ()) -> None:
+        """A 400 when the characters of every client-filled field but the completion prompt
+        cannot fit: the messages, and those of FIELDS the body has (a Responses request's input
+        and instructions among them). Run it before any of them is parsed further, compiled or
+        rendered. O(JSON values) of those fields."""
+        sizes = {"messages": sum(message.num_chars for message in messages)}
+        sizes.update({name: json_chars(getattr(body, name, None)) for name in FIELDS})
+        sizes["stop"] = sum(len(s) for s in getattr(body, "stop_list", ()))
+        total = sum(sizes.values())
+        if total <= self.max_prompt_chars:
+            return
+        parts = ", ".join(f"{name} {n}" for name, n in sizes.items() if n)
+        raise APIError(
+            400,
+            f"The request's fields hold {total} characters ({parts}) and cannot fit: no token of "
+            f"this model covers more than {self.max_chars_per_token} characters, and "
+            f"{self.limits.describe()}",
+            param=max(sizes, key=lambda name: sizes[name]),
+            code="context_length_exceeded",
+        )
+
     async def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """Token ids of one completions prompt (text or ids), or a 400 saying why not."""
         if isinstance(prompt, str):
@@ -120,10 +149,10 @@ class Admission:
     async def chat_ids(
         self,
         messages: Sequence[ChatMessage],
-        render: Callable[[list[dict[str, Any]]], list[int]] | None = None,
+        render: Callable[[list[dict[str, Any]]], list[int]],
     ) -> list[int]:
-        """Prompt token ids of chat messages, rendered by the model's template (through
-        `render` when given: the agents' renderer, which adds tools and remembered turns)."""
+        """Prompt token ids of chat messages, rendered by `render` (the server's
+        `PromptRenderer`, which adds tools and remembered turns)."""
         limit = self.limits.max_seq_len
         if len(messages) >= limit:
             raise APIError(
@@ -137,7 +166,7 @@ class Admission:
         self._check_chars(chars, "messages", "The messages' content")
         template = [m.to_template() for m in messages]
         try:
-            ids = await self._run(render or self.tokenizer.apply_chat_template, template)
+            ids = await self._run(render, template)
         except ValueError as exc:
             raise APIError(400, f"Invalid messages: {exc}", param="messages") from exc
         check_fits(self.limits, len(ids), "messages")
@@ -185,6 +214,26 @@ def check_fits(limits: ModelLimits, prompt_len: int, param: str) -> None:
             param=param,
             code="context_length_exceeded",
         )
+
+
+def json_chars(value: Any) -> int:
+    """Characters of a parsed JSON value (pydantic models in it dumped): the strings and keys in
+    full, one per other scalar. Iterative, so any depth is safe."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, BaseModel):
+            stack.append(item.model_dump(by_alias=True, exclude_none=True))
+        elif isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += sum(len(k) if isinstance(k, str) else 1 for k in item)
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif item is not None:
+            total += 1
+    return total
 
 
 def json_values_bound(raw: bytes) -> int:

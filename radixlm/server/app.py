@@ -1,12 +1,20 @@
 """The FastAPI app: `create_app(async_engine, server_config)` wires the routes of one server.
 
-    /health, /metrics                      open (liveness probes and Prometheus need no key)
+    /health                                open (liveness probes need no key)
     /cache (the tree page)                 open: static HTML with no data; its script asks for
                                            the key and sends it on the data routes below
     /v1/models, /v1/completions,
-    /v1/chat/completions, /v1/cache,
-    /v1/cache/flush, /v1/cache/report,
-    /v1/cache/tree                         behind `Authorization: Bearer KEY` when keys are set
+    /v1/chat/completions, /v1/responses
+    (and /v1/responses/{id})               a tenant key, when keys are set
+    /v1/cache/report, /v1/cache/tree,
+    /v1/loads, /server_info                a tenant key (its own tenant's view) or the admin key
+                                           (everything), when keys are set
+    /v1/cache, /v1/cache/flush,
+    /flush_cache                           the admin key (refused on a multi-tenant server
+                                           without one; open on a server with no key at all)
+    /metrics                               the admin key once one is set, else open
+
+(server/tenancy.py owns the rules, docs/security.md lists what each surface shows a tenant.)
 
 Around the routes, outermost first: the request counter (every response is counted, 500s and
 413s included), `ErrorMiddleware` (an unexpected exception is one logged 500) and
@@ -27,12 +35,13 @@ from fastapi import Depends, FastAPI
 
 from radixlm.config import ServerConfig
 from radixlm.engine.async_engine import AsyncEngine
-from radixlm.observatory.routes import cache_page_router, observatory_router
 from radixlm.server.admin_routes import cache_router, health_router
 from radixlm.server.body import BodyLimitMiddleware
 from radixlm.server.errors import ErrorMiddleware, install_error_handlers
 from radixlm.server.metrics import RequestCounterMiddleware
+from radixlm.server.observatory_routes import cache_page_router, observatory_router
 from radixlm.server.openai_routes import openai_router
+from radixlm.server.responses_api.routes import responses_router
 from radixlm.server.state import ServerState
 from radixlm.server.worker_routes import WORKER_ROUTES, install_worker_routes
 
@@ -43,6 +52,7 @@ ROUTES = frozenset(
         "/v1/models",
         "/v1/completions",
         "/v1/chat/completions",
+        "/v1/responses",
         "/v1/cache",
         "/v1/cache/flush",
         "/v1/cache/report",
@@ -67,13 +77,16 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
     app.state.radixlm = state
     install_error_handlers(app)
     tenancy = state.tenancy
-    guarded = [Depends(tenancy.authenticate)] if tenancy.requires_key else []
+    tenant = [Depends(tenancy.authenticate)]
+    viewer = [Depends(tenancy.authenticate_viewer)]
+    admin = [Depends(tenancy.authenticate_admin)]
     app.include_router(health_router(state))
     app.include_router(cache_page_router())
-    app.include_router(openai_router(state), dependencies=guarded)
-    app.include_router(cache_router(state), dependencies=guarded)
-    app.include_router(observatory_router(state.observatory), dependencies=guarded)
-    install_worker_routes(app, state, guarded)  # what a gateway in front of replicas calls
+    app.include_router(openai_router(state), dependencies=tenant)
+    app.include_router(responses_router(state), dependencies=tenant)
+    app.include_router(cache_router(state), dependencies=admin)
+    app.include_router(observatory_router(state), dependencies=viewer)
+    install_worker_routes(app, state, viewer, admin)  # what a gateway in front of replicas calls
     # add_middleware wraps what is there: the last one added runs first
     app.add_middleware(
         BodyLimitMiddleware,

@@ -9,6 +9,10 @@ Two sources:
   verified and kept per source. A scrape takes a fresh
   `EngineSnapshot` (in the engine thread) and `EngineCollector` exposes it, so engine-side
   values are never stale or racy.
+
+Rule: a scrape that may not see lengths exactly (`--report-cached-tokens` page or none, and no
+admin key) gets no family that counts cached or prefilled tokens (their difference over one
+request is that request's cached length) and the slot gauges in whole pages.
 """
 
 from __future__ import annotations
@@ -82,9 +86,10 @@ class ServerMetrics:
         self.cache_reports.labels(reason).inc()
         self.cache_lost_tokens.labels(reason).inc(lost_tokens)
 
-    def render(self, snapshot: EngineSnapshot | None) -> bytes:
-        """The text exposition format, with the engine's values as of `snapshot`."""
-        self.engine.snapshot = snapshot
+    def render(self, snapshot: EngineSnapshot | None, exact: bool = True, page: int = 1) -> bytes:
+        """The text exposition format, with the engine's values as of `snapshot`; without
+        `exact`, cached-token families left out and slot counts in whole `page`s."""
+        self.engine.snapshot, self.engine.exact, self.engine.page = snapshot, exact, page
         return generate_latest(self.registry)
 
 
@@ -93,6 +98,8 @@ class EngineCollector(Collector):
 
     def __init__(self) -> None:
         self.snapshot: EngineSnapshot | None = None
+        self.exact = True  # cached-token families shown, slot counts exact
+        self.page = 1
 
     def describe(self) -> list[Metric]:
         return []  # families depend on the snapshot; nothing to pre-register
@@ -102,29 +109,20 @@ class EngineCollector(Collector):
         if s is None:
             return
         stats = s.engine_stats
-        queried, hit = stats.get("prompt_tokens", 0), stats.get("cached_prompt_tokens", 0)
-        yield _counter("radixlm_prefix_cache_queried_tokens", "Prompt tokens looked up", queried)
-        yield _counter("radixlm_prefix_cache_hit_tokens", "Prompt tokens served from cache", hit)
-        yield _gauge(
-            "radixlm_prefix_cache_hit_rate", "hit / queried prompt tokens", hit / max(queried, 1)
-        )
-        evicted = s.cache_stats.get("evicted_tokens")
-        if isinstance(evicted, int):
-            yield _counter("radixlm_prefix_cache_evicted_tokens", "Tokens evicted", evicted)
-        yield _counter(
-            "radixlm_prefill_tokens", "Tokens computed in prefill", stats["prefill_tokens"]
-        )
+        round_ = (lambda n: n) if self.exact else (lambda n: n // self.page * self.page)
+        if self.exact:
+            yield from _hit_metrics(s)
         yield _counter("radixlm_engine_steps", "Forward passes", stats.get("steps", 0))
         yield _gauge("radixlm_num_requests_running", "Requests running", s.num_running)
         yield _gauge("radixlm_num_requests_waiting", "Requests waiting", s.num_waiting)
-        yield _gauge("radixlm_kv_slots_used", "KV slots not free", s.num_used)
+        yield _gauge("radixlm_kv_slots_used", "KV slots not free", round_(s.num_used))
         yield _gauge("radixlm_kv_slots_capacity", "KV slots in the pool", s.capacity)
         slots = GaugeMetricFamily("radixlm_kv_slots", "KV slots by owner", labels=["owner"])
-        slots.add_metric(["free"], s.num_free)
-        slots.add_metric(["tree"], s.num_tree_tokens)
-        slots.add_metric(["in_flight"], s.num_in_flight)
+        slots.add_metric(["free"], round_(s.num_free))
+        slots.add_metric(["tree"], round_(s.num_tree_tokens))
+        slots.add_metric(["in_flight"], round_(s.num_in_flight))
         yield slots
-        if s.l2 is not None:
+        if s.l2 is not None and self.exact:
             yield from _l2_metrics(s.l2)
         if s.speculation is not None:
             yield from _speculation_metrics(stats, s.speculation)
@@ -152,6 +150,21 @@ class RequestCounterMiddleware:
             await send(message)
 
         await self.app(scope, receive, counting_send)
+
+
+def _hit_metrics(s: EngineSnapshot) -> Iterator[Metric]:
+    """The families that count cached (and so prefilled) tokens."""
+    stats = s.engine_stats
+    queried, hit = stats.get("prompt_tokens", 0), stats.get("cached_prompt_tokens", 0)
+    yield _counter("radixlm_prefix_cache_queried_tokens", "Prompt tokens looked up", queried)
+    yield _counter("radixlm_prefix_cache_hit_tokens", "Prompt tokens served from cache", hit)
+    yield _gauge(
+        "radixlm_prefix_cache_hit_rate", "hit / queried prompt tokens", hit / max(queried, 1)
+    )
+    evicted = s.cache_stats.get("evicted_tokens")
+    if isinstance(evicted, int):
+        yield _counter("radixlm_prefix_cache_evicted_tokens", "Tokens evicted", evicted)
+    yield _counter("radixlm_prefill_tokens", "Tokens computed in prefill", stats["prefill_tokens"])
 
 
 def _l2_metrics(l2: dict[str, Any]) -> Iterator[Metric]:

@@ -7,6 +7,12 @@
 and `WorkerHeaderMiddleware`, which names this replica on every response (`x-radixlm-worker`)
 so a client behind a gateway can tell which replica served it.
 
+Keys (when the server has any): `/v1/loads` and `/server_info` take a tenant key or the admin
+key; `/flush_cache` is cache-wide and takes the admin key only, like `/v1/cache/flush` (a
+gateway's "flush every worker" must be given the admin key). A caller without the admin key on a
+server whose `--report-cached-tokens` is not "exact" reads the token counts in whole pages and
+no hit rate (their differences would give a request's cached length).
+
 "Used" tokens in /v1/loads count only slots that requests hold now: in-flight slots plus tree
 nodes locked by running requests. A warm tree is evictable on demand, i.e. free capacity;
 reporting it as used would make a gateway's overload veto shun exactly the replicas whose cache
@@ -16,11 +22,12 @@ for vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -35,24 +42,39 @@ WORKER_HEADER = "x-radixlm-worker"
 WORKER_ROUTES = frozenset({"/v1/loads", "/flush_cache", "/server_info"})
 
 
-def install_worker_routes(app: FastAPI, state: ServerState, dependencies: Sequence[Any]) -> None:
-    """Add the gateway-facing routes (with `dependencies`: the API key check of /v1/*) and the
-    header naming this replica."""
-    app.include_router(worker_router(state), dependencies=list(dependencies))
+def install_worker_routes(
+    app: FastAPI, state: ServerState, viewer: Sequence[Any], admin: Sequence[Any]
+) -> None:
+    """Add the gateway-facing routes (`viewer`: a tenant key or the admin key; `admin`: the
+    admin key) and the header naming this replica."""
+    app.include_router(worker_router(state), dependencies=list(viewer))
+    app.include_router(flush_router(state), dependencies=list(admin))
     app.add_middleware(WorkerHeaderMiddleware, worker=worker_id(state.config))
 
 
 def worker_router(state: ServerState) -> APIRouter:
-    """The gateway-facing routes (behind the API key when one is set, like /v1/*)."""
+    """/v1/loads and /server_info (a tenant key or the admin key, when keys are set)."""
     router = APIRouter()
 
     @router.get("/v1/loads")
-    async def loads() -> JSONResponse:
+    async def loads(request: Request) -> JSONResponse:
         # shares /metrics' snapshots: gateways polling together cost one engine round trip
         snapshot = await state.snapshots.get(lambda: _call(state, take_snapshot))
+        if not state.tenancy.exact_lengths(request):
+            snapshot = _coarse(snapshot, state.tenancy.whole_pages)
         max_running = state.engine.engine.scheduler_config.max_running_requests
         return JSONResponse(loads_body(snapshot, max_running, datetime.now(timezone.utc)))
 
+    @router.get("/server_info")
+    async def server_info() -> JSONResponse:
+        return JSONResponse(server_info_body(state))
+
+    return router
+
+
+def flush_router(state: ServerState) -> APIRouter:
+    """POST /flush_cache (the admin key)."""
+    router = APIRouter()
     # The very endpoint of /v1/cache/flush, so the alias can never drift from it.
     flush = next(
         route
@@ -60,11 +82,6 @@ def worker_router(state: ServerState) -> APIRouter:
         if isinstance(route, APIRoute) and route.path == "/v1/cache/flush"
     )
     router.add_api_route("/flush_cache", flush.endpoint, methods=["POST"])
-
-    @router.get("/server_info")
-    async def server_info() -> JSONResponse:
-        return JSONResponse(server_info_body(state))
-
     return router
 
 
@@ -113,6 +130,20 @@ def server_info_body(state: ServerState) -> dict[str, Any]:
         "engine": "radixlm",
         "worker_id": worker_id(state.config),
     }
+
+
+def _coarse(snapshot: EngineSnapshot, whole_pages: Callable[[int], int]) -> EngineSnapshot:
+    """The snapshot as a caller without exact lengths sees it: slot counts in whole pages, no
+    cached-token counter (so no hit rate)."""
+    stats = {**snapshot.engine_stats, "cached_prompt_tokens": 0}
+    return dataclasses.replace(
+        snapshot,
+        num_free=whole_pages(snapshot.num_free),
+        num_tree_tokens=whole_pages(snapshot.num_tree_tokens),
+        num_protected=whole_pages(snapshot.num_protected),
+        num_in_flight=whole_pages(snapshot.num_in_flight),
+        engine_stats=stats,
+    )
 
 
 def worker_id(config: ServerConfig) -> str:
