@@ -172,12 +172,32 @@ KERNEL_DTYPES = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16)
 @pytest.mark.parametrize("dtypes", KERNEL_DTYPES, ids=["f32", "f32-bf16kv", "bf16"])
 @pytest.mark.parametrize("heads", [(4, 1), (6, 2), (9, 3), (8, 2)], ids=lambda h: f"{h[0]}x{h[1]}")
 @pytest.mark.parametrize("head_dim", [64, 128, 80])
+@pytest.mark.parametrize("threads", [1, 2])
 def test_chain_units_give_each_row_its_lone_bits(
-    isa: str, dtypes: tuple[torch.dtype, torch.dtype], heads: tuple[int, int], head_dim: int
+    isa: str,
+    dtypes: tuple[torch.dtype, torch.dtype],
+    heads: tuple[int, int],
+    head_dim: int,
+    threads: int,
 ) -> None:
     """The decode kernel directly: rows of a chain over prefixes of many lengths, laid out by
-    chain_units (a run read once), equal each row attended alone."""
+    chain_units (a run read once), equal each row attended alone, however the kernel splits
+    its tasks between threads (a lone row's query heads may each be a task of their own)."""
     kernels = require_native_kernels(isa)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_chain_units(kernels, dtypes, heads, head_dim)
+    finally:
+        torch.set_num_threads(before)
+
+
+def check_chain_units(
+    kernels: native.Kernels,
+    dtypes: tuple[torch.dtype, torch.dtype],
+    heads: tuple[int, int],
+    head_dim: int,
+) -> None:
     q_dtype, kv_dtype = dtypes
     num_heads, num_kv_heads = heads
     gen = torch.Generator().manual_seed(head_dim + num_heads)
