@@ -1,12 +1,15 @@
-"""A verify chain's rows get, bit for bit, the logits of the decode steps they stand for.
+"""A verify chain's rows get, bit for bit, the logits of the decode steps they stand for, and a
+decode row gets the same bits alone or batched, whatever the batch shares.
 
 Greedy output is token-identical with speculation on and off only if every verify row equals the
-decode step over the same tokens exactly, not to a tolerance. Checked on every kernel variant this
-CPU executes, for quantized blocks (the default numerics) and float weights in float32 and
-bfloat16: a chain alone, beside plain decode rows (sharing its prefix or not), beside another
-chain and beside a prefill chunk; at prefix lengths on and off the kernel's key chunks. The
-decode kernel's rule behind it (a chain's units of fewer than 16 query rows read the prefix up to
-a multiple of 32 keys once and give each row its lone bits) is checked on the kernel directly.
+decode step over the same tokens exactly, not to a tolerance, and since the two modes batch
+requests differently over time, only if a decode row's bits do not depend on its batch. Checked
+on every kernel variant this CPU executes, for quantized blocks (the default numerics) and float
+weights in float32 and bfloat16: a chain alone, beside plain decode rows (sharing its prefix or
+not), beside another chain and beside a prefill chunk, at prefix lengths on and off the kernel's
+key chunks; decode rows on one cached prompt, batched and alone. The decode kernel's rule behind
+it (units of fewer than 16 query rows read a common run up to a multiple of 32 keys once and give
+each row its lone bits) is checked on the kernel directly.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from radixlm.model.verify_rows import (
     KEY_CHUNK,
     SKINNY_EXACT_ROWS,
     UNBOUNDED,
-    chain_units,
     exact_rows,
+    exact_units,
 )
 
 EMPTY = np.zeros(0, dtype=np.int64)
@@ -141,6 +144,22 @@ def test_chains_keep_their_bits_beside_other_rows(model: CausalLM) -> None:
     assert torch.equal(got[8:12], want_b)
 
 
+def test_decode_rows_on_one_prompt_get_the_same_bits_batched_and_alone(model: CausalLM) -> None:
+    """Twelve requests on one cached 200-token prompt (each with a few tokens of its own): one
+    decode step of all of them equals each one's step alone."""
+    pool = Pool(model)
+    prompt = pool.prefill(ids(200, 8))
+    seqs = []
+    for i in range(12):
+        own = pool.slots(3 + i % 4)
+        pool.forward([ids(len(own), 20 + i)], [prompt], [own])
+        seqs.append(np.concatenate([prompt, own]))
+    tokens = [[t] for t in ids(12, 9)]
+    alone = [pool.forward([t], [seq], [pool.slots(1)])[0] for t, seq in zip(tokens, seqs)]
+    batched = pool.forward(tokens, seqs, [pool.slots(1) for _ in seqs])
+    assert torch.equal(batched, torch.stack(alone))
+
+
 def test_exact_rows_follows_the_matmul_routes(model_files, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Quantized blocks: any row count. Skinny float weights: up to 64 rows (16 on generic,
     where F.linear takes more). A float LM head skinny_linear cannot pack, or the PyTorch path:
@@ -173,26 +192,26 @@ KERNEL_DTYPES = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16)
 @pytest.mark.parametrize("heads", [(4, 1), (6, 2), (9, 3), (8, 2)], ids=lambda h: f"{h[0]}x{h[1]}")
 @pytest.mark.parametrize("head_dim", [64, 128, 80])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_chain_units_give_each_row_its_lone_bits(
+def test_exact_units_give_each_row_its_lone_bits(
     isa: str,
     dtypes: tuple[torch.dtype, torch.dtype],
     heads: tuple[int, int],
     head_dim: int,
     threads: int,
 ) -> None:
-    """The decode kernel directly: rows of a chain over prefixes of many lengths, laid out by
-    chain_units (a run read once), equal each row attended alone, however the kernel splits
-    its tasks between threads (a lone row's query heads may each be a task of their own)."""
+    """The decode kernel directly: rows on a common prefix of many lengths (a chain's), laid out
+    by exact_units (the run read once per unit), equal each row attended alone, however the
+    kernel splits its tasks between threads (a lone row's query heads may each be a task)."""
     kernels = require_native_kernels(isa)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        check_chain_units(kernels, dtypes, heads, head_dim)
+        check_exact_units(kernels, dtypes, heads, head_dim)
     finally:
         torch.set_num_threads(before)
 
 
-def check_chain_units(
+def check_exact_units(
     kernels: native.Kernels,
     dtypes: tuple[torch.dtype, torch.dtype],
     heads: tuple[int, int],
@@ -208,7 +227,7 @@ def check_chain_units(
         rows = 11
         lists = [order[: prefix_len + j + 1] for j in range(rows)]
         q = (torch.randn(rows, num_heads, head_dim, generator=gen) * 3).to(q_dtype)
-        units = chain_units(list(range(rows)), prefix_len, num_heads // num_kv_heads)
+        units = exact_units(list(range(rows)), prefix_len, num_heads // num_kv_heads)
         assert all(run % KEY_CHUNK == 0 for _, run in units)
         together = kernels.decode(q, k, v, native.DecodeLayout(lists, units))
         for j in range(rows):
@@ -216,8 +235,8 @@ def check_chain_units(
             assert torch.equal(alone[0], together[j]), (prefix_len, j)
 
 
-def test_chain_units_share_a_run_only_in_row_by_row_units() -> None:
-    units = chain_units(list(range(12)), 100, query_group=3)
+def test_exact_units_share_a_run_only_in_row_by_row_units() -> None:
+    units = exact_units(list(range(12)), 100, query_group=3)
     assert units == [([0, 1, 2, 3, 4], 96), ([5, 6, 7, 8, 9], 96), ([10, 11], 96)]
-    assert chain_units(list(range(4)), 31, query_group=2) == []  # no whole chunk to share
-    assert chain_units(list(range(4)), 300, query_group=8) == []  # one row per unit at most
+    assert exact_units(list(range(4)), 31, query_group=2) == []  # no whole chunk to share
+    assert exact_units(list(range(4)), 300, query_group=8) == []  # one row per unit at most

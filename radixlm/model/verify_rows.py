@@ -18,16 +18,17 @@ holds each rule on every kernel variant the CPU executes):
               online-softmax update per chunk: 16 keys (attend_rows, AVX-512) or KEY_CHUNK
               (attend_keys). A unit of fewer than TILE_MIN_ROWS query rows runs row by row, each
               row's arithmetic its own; from TILE_MIN_ROWS rows a unit's shared run goes through
-              the register tiles, other bits. So the rows of one chain may share the run of their
-              prefix up to a multiple of KEY_CHUNK (where a lone row's chunks end too), read once,
-              in units of fewer than TILE_MIN_ROWS query rows, and still get a lone row's bits.
+              the register tiles, other bits. So rows on a common prefix (requests on one cached
+              prompt, the rows of one chain) may share its run up to a multiple of KEY_CHUNK
+              (where a lone row's chunks end too), read once per unit of fewer than
+              TILE_MIN_ROWS query rows, and still get a lone row's bits: `decode_units` lays
+              every decode row out so, and a decode step gives a row the same bits alone or
+              batched (whatever the batch shares), which greedy identity across speculation on
+              and off needs, since the two modes batch differently over time.
   the rest    embeddings, rope + K/V store, norms, SiLU: row by row.
 
 `exact_rows(model, pool)` is the most rows a step may carry while every row keeps the bits it
 has alone (1 where nothing is promised: the PyTorch path, whose SDPA runs over padded batches).
-Plain decode rows that share a prefix are grouped by find_shared_prefixes (any run length, tiles
-from 16 rows), which may move their bits by a rounding, so greedy identity batched against alone
-was and is held to the float rounding there; verify rows never join such a group.
 """
 
 from __future__ import annotations
@@ -54,28 +55,26 @@ def decode_units(
 ) -> list[tuple[list[int], int]]:
     """The decode kernel's groups (member positions, shared run length) for the decode rows
     `members` (batch indices, in order) of `batch`, whose heads come `query_group` query heads
-    per KV head: each verify chain as `chain_units` lays it out, the other rows as
-    find_shared_prefixes groups them (all of them, in a batch without chains)."""
-    if not batch.chains:
-        return find_shared_prefixes([batch.seq_slots[i] for i in members])
+    per KV head: each verify chain's rows on their prefix, the other rows on the runs
+    find_shared_prefixes finds, all in `exact_units` (each row keeps its lone bits)."""
     position = {row: p for p, row in enumerate(members)}
     units: list[tuple[list[int], int]] = []
     in_chain: set[int] = set()
     for chain in batch.chains:
         rows = [position[r] for r in range(chain.first, chain.first + chain.num_rows)]
         in_chain.update(rows)
-        units += chain_units(rows, chain.prefix_len, query_group)
+        units += exact_units(rows, chain.prefix_len, query_group)
     others = [p for p in range(len(members)) if p not in in_chain]
-    groups = find_shared_prefixes([batch.seq_slots[members[p]] for p in others])
-    units += [([others[i] for i in group], length) for group, length in groups]
+    for group, length in find_shared_prefixes([batch.seq_slots[members[p]] for p in others]):
+        units += exact_units([others[i] for i in group], length, query_group)
     return units
 
 
-def chain_units(rows: list[int], prefix_len: int, query_group: int) -> list[tuple[list[int], int]]:
-    """One chain's rows (member positions) in units that read its prefix's first
-    prefix_len // KEY_CHUNK * KEY_CHUNK slots once each and run row by row (fewer than
+def exact_units(rows: list[int], run_len: int, query_group: int) -> list[tuple[list[int], int]]:
+    """Rows (member positions) on a common run of `run_len` slots, in units that read its first
+    run_len // KEY_CHUNK * KEY_CHUNK slots once each and run row by row (fewer than
     TILE_MIN_ROWS query rows each); no units where no run or no pair of rows fits."""
-    run = prefix_len // KEY_CHUNK * KEY_CHUNK
+    run = run_len // KEY_CHUNK * KEY_CHUNK
     per_unit = (TILE_MIN_ROWS - 1) // query_group
     if run == 0 or per_unit < 2 or len(rows) < 2:
         return []  # each row its own unit: a lone decode
