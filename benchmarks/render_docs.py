@@ -135,6 +135,7 @@ def speed_table() -> str:
         )
     return (
         "\n".join(lines)
+        + _quant_speed()
         + "\n\nSmolLM2-135M-Instruct; how many times faster than transformers on the same weights "
         "(`radixlm bench model`, one process, alternating rounds; decode with 1,024 tokens of "
         "context per request). The avx2 and generic rows force the variant with `RADIXLM_ISA` "
@@ -144,6 +145,40 @@ def speed_table() -> str:
         "under 1.5x, so is every engine's prefill. Per-row figures: "
         "[docs/benchmarks.md](docs/benchmarks.md#model-speed-against-transformers).\n"
     )
+
+
+def _quant_speed() -> str:
+    """The README's lines for the default numbers: the GGUF's blocks in the integer kernels
+    (docs/bench/quant_<variant>.json) and llama.cpp on the same file (llamacpp_<variant>.json),
+    or nothing before those runs."""
+    runs = sorted(BENCH.glob("quant_*.json"))
+    if not runs:
+        return ""
+    lines = [
+        "\n\n| GGUF Q4_1 kept quantized (`--quant exact`, the default) | decode batch 1 / 8, "
+        "1,024 tokens of context | share of the read bandwidth, batch 1 | prefill 1,024 tokens "
+        "| against llama.cpp, decode | CPU, threads |",
+        "|---|---|---|---|---|---|",
+    ]
+    for path in runs:
+        r = json.loads(path.read_text())
+        isa = r.get("isa", "?")
+        decode = {row["batch"]: row for row in r["decode"]}
+        prefill = {row["tokens"]: row for row in r["prefill"]}
+        one = decode.get(1)
+        ms = " / ".join(f"{decode[b]['ours_ms']:.1f} ms" for b in sorted(decode))
+        share = f"{one['ours_roofline']:.0%} of {one['host_read_gb_s']:.0f} GB/s" if one else "–"
+        tok_s = f"{prefill[1024]['ours_tok_s']:,.0f} tok/s" if 1024 in prefill else "–"
+        versus = "–"
+        llama = BENCH / f"llamacpp_{isa}.json"
+        if llama.exists():
+            versus = f"{json.loads(llama.read_text())['ours_vs_llamacpp_decode']['exact']:.2f}x"
+        threads = r.get("threads", "?")
+        lines.append(
+            f"| {isa}, {r.get('dtype', '?')} | {ms} | {share} | {tok_s} | {versus} "
+            f"| {cpu_label(r.get('host'))}; {threads} threads |"
+        )
+    return "\n".join(lines)
 
 
 def _peak_shares(prefill: list[dict[str, Any]]) -> str:

@@ -6,7 +6,8 @@ models without downloading them (a decode step's speed does not depend on the va
 
 The tokenizer (and its chat template) is the default model's, copied from its GGUF, so
 `radixlm serve` runs the file; token ids past its vocabulary are never produced by it but are
-rows of the embedding like any other. Quantized types are written as the `gguf` package
+rows of the embedding like any other. Its token list is padded with unused tokens up to the
+shape's vocabulary, since llama.cpp refuses a file whose embedding has more rows than tokens. Quantized types are written as the `gguf` package
 quantizes random normal weights (Q4_0, Q4_1, Q8_0) or as random blocks with small scales
 (Q4_K, Q5_K, Q6_K, which it cannot quantize): either is a valid file of that type.
 """
@@ -117,7 +118,7 @@ def write(
     writer.add_vocab_size(shape.vocab)
     if tokenizer_from is not None:
         source = default_model_path() if tokenizer_from == "default" else tokenizer_from
-        _copy_tokenizer(writer, source)
+        _copy_tokenizer(writer, source, shape.vocab)
     q_rows, kv_rows = shape.num_heads * head_dim, shape.num_kv_heads * head_dim
     dims = {
         "token_embd": (shape.vocab, shape.hidden), "output": (shape.vocab, shape.hidden),
@@ -153,7 +154,15 @@ def write(
     return path
 
 
-def _copy_tokenizer(writer: gguf.GGUFWriter, source: str) -> None:
+# The per-token arrays of a GGUF tokenizer, and what an unused token `i` holds in each.
+PADDING = {
+    "tokenizer.ggml.tokens": lambda i: f"<|unused_{i}|>",
+    "tokenizer.ggml.token_type": lambda i: int(gguf.TokenType.UNUSED),
+    "tokenizer.ggml.scores": lambda i: 0.0,
+}
+
+
+def _copy_tokenizer(writer: gguf.GGUFWriter, source: str, vocab: int) -> None:
     reader = gguf.GGUFReader(source)
     for key, field in reader.fields.items():
         if not key.startswith("tokenizer."):
@@ -161,6 +170,9 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, source: str) -> None:
         value = field.contents()
         vtype = field.types[0]
         if vtype == gguf.GGUFValueType.ARRAY:
+            pad = PADDING.get(key)
+            if pad is not None and len(value) < vocab:
+                value = list(value) + [pad(i) for i in range(len(value), vocab)]
             writer.add_array(key, value)
         elif vtype == gguf.GGUFValueType.STRING:
             writer.add_string(key, value)
