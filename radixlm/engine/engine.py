@@ -39,10 +39,10 @@ from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
 from radixlm.engine.request import Request, RequestState
 from radixlm.engine.runner import ModelRunner
 from radixlm.engine.sampler import SampledToken, Sampler, SamplingFailure
-from radixlm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from radixlm.engine.scheduler import SampleRow, ScheduledRequest, Scheduler, SchedulerOutput
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.loader import LoadProgress
-from radixlm.request import FinishReason, SamplingParams, StreamDelta
+from radixlm.request import FinishReason, FirstTokenTimes, SamplingParams, StreamDelta
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,8 @@ class EngineStats:
     cached_prompt_tokens: int = 0  # of those, served from the cache at admission
     finished_requests: int = 0  # ran to a stop or the length limit
     aborted_requests: int = 0  # aborted, or failed by an engine error
+    forward_s: float = 0.0  # wall time inside the model's forward passes
+    step_s: float = 0.0  # wall time inside step(): the forwards, scheduling, sampling, output
 
 
 class QueueFullError(RuntimeError):
@@ -162,10 +164,18 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
         """Run one scheduling + forward pass; return what each touched request produced."""
+        started = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.stats.step_s += time.perf_counter() - started
+
+    def _step(self) -> list[StreamDelta]:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
         batch = _prepare_batch(plan.scheduled, self.runner.device)
+        started = time.perf_counter()
         try:
             logits = self.runner.forward(batch)  # (R, vocab): the last new token of each request
         except Exception as exc:
@@ -174,13 +184,16 @@ class Engine:
         except BaseException:
             self.scheduler.cancel(plan.scheduled)
             raise
+        _note_forward(plan.scheduled, self.stats, time.perf_counter() - started)
         self._count(plan)
         to_sample = self.scheduler.postprocess(plan.scheduled)
         if not to_sample:
             return []  # every request computed a chunk of a longer prefill
+        started = time.perf_counter()
         outcomes = self.sampler.sample_each(
             logits[[s.row for s in to_sample]], [s.req.sampling for s in to_sample]
         )
+        _note_sampling(to_sample, time.perf_counter() - started)
         return self._output([s.req for s in to_sample], outcomes)
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -204,12 +217,14 @@ class Engine:
             req.sampling.advance(token)  # the grammar, if any, follows every sampled token
         except GrammarError as exc:
             return self._fail(req, "following its grammar", exc)
+        started = time.perf_counter()
         try:
             text, reason = req.output_stream.push(token)  # the one decider of why it ends
         except Exception as exc:  # the request's own detokenizer or stop checks
             return self._fail(req, "detokenizing", exc)
         if req.first_token_time is None:
             req.first_token_time = now
+            req.first_token_work.detokenize_s = time.perf_counter() - started
         req.output_ids.append(token)
         req.all_ids.append(token)
         if sampled.logprobs is not None:
@@ -259,6 +274,7 @@ class Engine:
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cache_hit_len or 0,
             error=req.error,
+            first_token=_first_token_times(req) if n and len(req.output_ids) == n else None,
         )
 
     def _count(self, plan: SchedulerOutput) -> None:
@@ -298,6 +314,39 @@ class Engine:
                 f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) needs "
                 f"more KV slots than the pool holds ({self.cache.capacity})"
             )
+
+
+def _note_forward(scheduled: list[ScheduledRequest], stats: EngineStats, seconds: float) -> None:
+    """Count a forward pass: in the engine's total, and for each request still waiting for its
+    first token."""
+    stats.forward_s += seconds
+    for item in scheduled:
+        if item.req.first_token_time is None:
+            work = item.req.first_token_work
+            work.forward_s += seconds
+            work.num_forwards += 1
+
+
+def _note_sampling(rows: list[SampleRow], seconds: float) -> None:
+    for row in rows:
+        if row.req.first_token_time is None:
+            row.req.first_token_work.sample_s = seconds
+
+
+def _first_token_times(req: Request) -> FirstTokenTimes:
+    """The engine's part of the timeline, once `req` has its first token."""
+    work, sampled = req.first_token_work, req.first_token_time
+    assert sampled is not None  # called for the delta carrying the first token
+    return FirstTokenTimes(
+        received=req.arrival_time,
+        scheduled=req.first_scheduled_time or sampled,
+        sampled=sampled,
+        match_s=work.match_s,
+        forward_s=work.forward_s,
+        num_forwards=work.num_forwards,
+        sample_s=work.sample_s,
+        detokenize_s=work.detokenize_s,
+    )
 
 
 def _prepare_batch(scheduled: list[ScheduledRequest], device: torch.device) -> ForwardBatch:
