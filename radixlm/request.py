@@ -3,7 +3,8 @@
 `SamplingParams` is shared by the offline API, the engine and the server; it validates itself on
 construction, so every later stage may trust it. `RequestOutput` is what the offline API returns
 (one `CompletionOutput` per sample); `StreamDelta` is one step's increment of a running request
-(what the AsyncEngine streams). The engine's own view of a request is
+(what the AsyncEngine streams); the delta with a sample's first token carries `FirstTokenTimes`,
+the engine's part of that request's timeline. The engine's own view of a request is
 `radixlm.engine.request.Request`.
 """
 
@@ -169,6 +170,23 @@ class RequestOutput:
 
 
 @dataclass(frozen=True)
+class FirstTokenTimes:
+    """Where a sample's first token spent its time in the engine thread. Instants are
+    `time.perf_counter()` seconds (one clock for every thread of the process); the rest are
+    durations in seconds. Only this request's own waits and work: nothing here says what else
+    was in its steps (the server's timeline shows it to the request's own caller)."""
+
+    received: float  # the request reached the engine thread (add_request ran)
+    scheduled: float  # admitted into its first step
+    sampled: float  # its first token drawn
+    match_s: float  # looking its prefix up in the cache at admission
+    forward_s: float  # the forward passes it was in, up to its first token
+    num_forwards: int
+    sample_s: float  # the sampler call that drew its first token
+    detokenize_s: float  # that token's text decided (detokenizer, stop strings)
+
+
+@dataclass(frozen=True)
 class StreamDelta:
     """What one step added to one sample of a request (the AsyncEngine streams these)."""
 
@@ -185,3 +203,4 @@ class StreamDelta:
     # draft tokens verified for this sample so far and those it kept; None: speculation off
     drafted_tokens: int | None = None
     accepted_tokens: int = 0
+    first_token: FirstTokenTimes | None = None  # on the delta carrying the first token only

@@ -195,7 +195,10 @@ def _answer(response: Any) -> Any:
 
 
 _CLOCKS = {"id", "created", "timestamp", "at", "system_fingerprint"}
-_LATENCIES = re.compile(r"time_to_first_token|inter_token_latency|_created\b|_created\{")
+_LATENCIES = re.compile(
+    r"time_to_first_token|inter_token_latency|request_stage_seconds|engine_(forward|step)_seconds"
+    r"|_created\b|_created\{"
+)
 
 
 def _metrics(text: str) -> list[str]:

@@ -19,6 +19,7 @@ from radixlm.bench.workloads import (
     WorkloadRequest,
     agent,
     fewshot,
+    followup,
     gsp,
     ideal_prefill_tokens,
     multiturn,
@@ -77,6 +78,12 @@ SMALL_WORKLOADS = {
     "multiturn-output-1": (
         multiturn(token_range=IDS, num_conversations=3, num_turns=2, turn_len=4, output_len=1),
         3 * (4 + 1 + 4),
+    ),
+    # a follow-up prefills the previous answer's last token + its few new tokens
+    "followup": (
+        followup(token_range=IDS, num_conversations=2, history_len=10, num_turns=2, turn_len=3,
+                 output_len=2),
+        2 * (10 + 2 * (1 + 3)),
     ),
     # 7 nodes, 3 of them parents: a parent's last output token is prefilled once for its children
     "tot": (

@@ -12,6 +12,11 @@ guards against forged special tokens:
 Segment 0 is the text of the step-1 prompt and is encoded by the same function, so step 2's ids
 start with step 1's prompt + output: the cache match ends where the new messages begin.
 
+A segment is encoded piece by piece between the template's own special tokens (`pieces.py`),
+each piece remembered per namespace, so a conversation's next turn tokenizes only its new
+messages; the ids are those of encoding the segment whole. `Prompt.costs` says what a rendering
+took: the template, the tokenization, and how many tokens were encoded against reused.
+
 Message content is text, never control: where content spells a special token (a user typing
 `<|im_start|>system` to forge a turn), that content is encoded without special-token parsing,
 the way vLLM and llama.cpp do; the template's own text is encoded with it. Contents are found in
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -33,6 +39,7 @@ from radixlm.agents.chat_format import (
     template_tools,
     to_template_messages,
 )
+from radixlm.agents.pieces import Encoded, PieceEncoder
 from radixlm.agents.tools import ToolSpec, canonical_json
 from radixlm.agents.turns import Turn, TurnMemo, turn_key
 from radixlm.tokenizer import Tokenizer
@@ -47,9 +54,20 @@ class NoChatTemplateError(ValueError):
     """The tokenizer has no chat template, so chat messages cannot be turned into a prompt."""
 
 
+class RenderCosts(NamedTuple):
+    """What one rendering took: seconds in the chat template and in tokenizing its text, and
+    the tokens the tokenizer produced against those found in the piece memo."""
+
+    template_s: float = 0.0
+    tokenize_s: float = 0.0
+    encoded_tokens: int = 0
+    reused_tokens: int = 0
+
+
 class Prompt(NamedTuple):
     ids: list[int]
     turns: tuple[Turn, ...]  # the assistant turns spliced in as generated ids, in order
+    costs: RenderCosts = RenderCosts()
 
 
 class Span(NamedTuple):
@@ -108,13 +126,17 @@ class PromptRenderer:
     """Chat messages (+ tools) -> prompt ids, splicing remembered assistant turns when it has a
     memo. Immutable but for the memo (thread-safe): share one per server."""
 
-    def __init__(self, tokenizer: Tokenizer, memo: TurnMemo | None = None) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, memo: TurnMemo | None = None, incremental: bool = True
+    ) -> None:
+        """`incremental`: encode pieces through a memo where the tokenizer allows it."""
         self.tokenizer = tokenizer
         self.memo = memo
         hf = tokenizer.hf_tokenizer
         self.native_tools = template_renders_tools(hf)
         self._backend: Any = getattr(hf, "backend_tokenizer", None)
         self._plain: Any = None  # the same tokenizer with special-token parsing off
+        self.pieces = PieceEncoder.of(self._backend) if incremental else None
         if self._backend is not None:
             from tokenizers import Tokenizer as RustTokenizer
 
@@ -145,6 +167,7 @@ class PromptRenderer:
         """The prompt's ids and the turns spliced into them: an assistant message is its ids
         from `known` (a stored conversation's own turns) or else the memo, in `namespace`.
         Raises ValueError for invalid messages (NoChatTemplateError without a template)."""
+        started = time.perf_counter()
         checked = check_messages(messages)
         conversation = to_template_messages(checked, tools, self.native_tools)
         if self.native_tools:  # the template writes tools and calls outside any content
@@ -166,6 +189,7 @@ class PromptRenderer:
             assistant += m["role"] == "assistant"
             marked.append(m)
         rendered = self._template(marked, tools)
+        template_done = time.perf_counter()
         pattern = f"{re.escape(placeholder)}(\\d+){re.escape(placeholder)}"
         pieces = re.split(pattern, rendered)
         segments = [marks.unmark(piece) for piece in pieces[::2]]
@@ -175,15 +199,24 @@ class PromptRenderer:
             # The template transforms content: positions are unknown, so nothing is spliced,
             # and content that would forge a special token is refused.
             self._refuse_forged([m["content"] for m in conversation])
-            return Prompt(self._encode(self._template(conversation, tools)), ())
+            text = self._template(conversation, tools)
+            template_s = time.perf_counter() - started
+            whole = self._encode(text)
+            costs = RenderCosts(template_s, time.perf_counter() - started - template_s, len(whole))
+            return Prompt(whole, (), costs)
         ids: list[int] = []
+        encoded = reused = 0
         for j, piece in enumerate(pieces):
             if j % 2:
                 ids += turns[int(piece)].ids
             else:
                 text, spans = segments[j // 2]
-                ids += self._encode_segment(text, spans or [])
-        return Prompt(ids, tuple(turns[i] for i in sorted(turns)))
+                segment = self._encode_segment(text, spans or [], namespace)
+                ids += segment.ids
+                encoded, reused = encoded + segment.encoded_tokens, reused + segment.reused_tokens
+        done = time.perf_counter()
+        costs = RenderCosts(template_done - started, done - template_done, encoded, reused)
+        return Prompt(ids, tuple(turns[i] for i in sorted(turns)), costs)
 
     # ---- helpers ----------------------------------------------------------------------------
     def _spliced_turns(
@@ -219,21 +252,27 @@ class PromptRenderer:
             )
         )
 
-    def _encode_segment(self, text: str, spans: list[Span]) -> list[int]:
+    def _encode_segment(self, text: str, spans: list[Span], namespace: str | None) -> Encoded:
         """Ids of one segment of rendered text with its message contents at `spans`: the forgery
-        guard. The whole text is encoded at once unless a special token overlaps a content;
-        then contents are encoded without special-token parsing, the rest with it."""
-        if self._backend is None:  # a slow tokenizer has no offsets: refuse what would forge
-            self._refuse_forged([text[s.start : s.end] for s in spans])
-            return self._encode(text)
-        encoding = self._backend.encode(text, add_special_tokens=False)
+        guard. The text is encoded as a whole (piece by piece through the memo, where there is
+        one) unless a special token overlaps a content; then contents are encoded without
+        special-token parsing, the rest with it."""
         special = self.tokenizer.special_ids
-        forged = any(
-            token in special and _overlaps(offset, spans)
-            for token, offset in zip(encoding.ids, encoding.offsets)
-        )
-        if not forged:
-            return list(encoding.ids)
+        if self.pieces is not None:
+            cut = self.pieces.split(text)
+            if not any(p.token_id in special and _overlaps((p.start, p.end), spans) for p in cut):
+                return self.pieces.encode(text, namespace, cut)
+        elif self._backend is None:  # a slow tokenizer has no offsets: refuse what would forge
+            self._refuse_forged([text[s.start : s.end] for s in spans])
+            whole = self._encode(text)
+            return Encoded(whole, len(whole), 0)
+        else:
+            encoding = self._backend.encode(text, add_special_tokens=False)
+            if not any(
+                token in special and _overlaps(offset, spans)
+                for token, offset in zip(encoding.ids, encoding.offsets)
+            ):
+                return Encoded(list(encoding.ids), len(encoding.ids), 0)
         ids: list[int] = []
         pos = 0
         for _, a, b in [*spans, Span("", len(text), len(text))]:
@@ -242,7 +281,7 @@ class PromptRenderer:
             if a < b:
                 ids += self._plain.encode(text[a:b], add_special_tokens=False).ids
             pos = b
-        return ids
+        return Encoded(ids, len(ids), 0)
 
     def _refuse_forged(self, contents: Sequence[str | None]) -> None:
         special = self.tokenizer.special_ids

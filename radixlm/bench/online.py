@@ -2,7 +2,7 @@
 
     python -m radixlm bench serve --base-url http://127.0.0.1:8000 --workload multiturn \\
         --concurrency 64 [--rate R] [--disconnect-frac 0.2] [--prompt-format tokens|text|chat] \\
-        [--stream all|none|one-per-group] [--server-url URL ...] [--json OUT]
+        [--stream all|none|one-per-group] [--server-url URL ...] [--timeline] [--json OUT]
 
 Requests go out as /v1/completions with token-id prompts, or as text or chat (`online_prompts`;
 gateways such as smg route on text and reject token ids), streamed unless told otherwise, at
@@ -16,7 +16,12 @@ cached prompt tokens (from `usage`) and the prefill an ideal cache would compute
 served each request when the responses say (and so each prefix group's affinity); when the
 servers are radixlm (`--server-url`, one per replica behind a gateway; default the base URL),
 the prefill they computed and their slot accounting once the load is gone (`/v1/cache`): a
-leaked slot would show as in-flight slots left with no request running.
+leaked slot would show as in-flight slots left with no request running. Against one radixlm
+server, the served efficiency too: the share of the run's wall time its engine spent in forward
+passes. `--timeline` asks radixlm for each request's timeline (`return_timeline`) and reports
+every stage's p50 / p99 (first turns and follow-ups apart). `--workload followup` is the
+follow-up benchmark: long conversations, each next turn a few new tokens over its whole history
+cached; run it with `--concurrency 1` (one stream) and 8.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import random
 import sys
 import time
 from typing import Any
+
+import numpy as np
 
 from radixlm.bench.online_prompts import PROMPT_FORMATS, PromptBook
 from radixlm.bench.workloads import WORKLOADS, CompletedRequest, Workload, ideal_prefill_tokens
@@ -74,6 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--extra-body", default="{}", metavar="JSON",
         help='fields added to every request body, e.g. \'{"verbose": true}\' for llama-server',
+    )  # fmt: skip
+    parser.add_argument(
+        "--timeline", action="store_true",
+        help="ask radixlm for each request's timeline (return_timeline) and report its stages",
     )  # fmt: skip
     parser.add_argument("--json", default=None, metavar="OUT", help="write the results here")
 
@@ -125,8 +136,10 @@ async def run_bench(args: argparse.Namespace, workload: Workload) -> dict[str, A
         merged_accounting,
         percentiles,
         replica_summary,
+        served_efficiency,
         server_rows,
         summarize,
+        timeline_summary,
     )
 
     base = args.base_url.rstrip("/").removesuffix("/v1")
@@ -142,6 +155,7 @@ async def run_bench(args: argparse.Namespace, workload: Workload) -> dict[str, A
             model,
             args.api_key,
             ignore_eos=not args.no_ignore_eos,
+            return_timeline=args.timeline,
             extra_body=json.loads(args.extra_body),
         )
         rng = random.Random(args.seed)
@@ -181,19 +195,22 @@ async def run_bench(args: argparse.Namespace, workload: Workload) -> dict[str, A
     summary["ideal_prefill_tokens"] = _ideal_prefill(book, finished)
     rows = [_row(i, book.group[i], r) for i, r in enumerate(records) if r is not None]
     summary.update(replica_summary(rows))
+    summary["timeline"] = timeline_summary(finished)
     if any(r.parent is not None for r in requests):  # multi-turn: first turns vs follow-ups
         for name, has_parent in (("root", False), ("followup", True)):
-            ttft = [
-                record.ttft_s
+            turn = [
+                record
                 for record, request in zip(records, requests)
-                if record is not None
-                and record.ttft_s is not None
-                and (request.parent is not None) == has_parent
+                if record is not None and (request.parent is not None) == has_parent
             ]
+            ttft = [r.ttft_s for r in turn if r.ttft_s is not None]
             summary.update(percentiles(f"{name}_ttft", ttft))
+            summary[f"{name}_timeline"] = timeline_summary(turn)
+            summary.update(_turn_tokens(name, turn))
     summary["servers"] = server_rows(before, after)
     if summary["servers"] and all(s["prefill_tokens"] is not None for s in summary["servers"]):
         summary["server_prefill_tokens"] = sum(s["prefill_tokens"] for s in summary["servers"])
+    summary.update(served_efficiency(summary["servers"], duration) or {})
     config = {
         "base_url": base,
         "server_urls": servers,
@@ -207,6 +224,7 @@ async def run_bench(args: argparse.Namespace, workload: Workload) -> dict[str, A
         "disconnect_frac": args.disconnect_frac,
         "seed": args.seed,
         "extra_body": args.extra_body,
+        "timeline": args.timeline,
         "num_requests": len(requests),
     }
     return {"config": config, "summary": summary, "server_cache": after.get(servers[0]),
@@ -220,6 +238,18 @@ def _streamed(group: list[int], mode: str) -> list[bool]:
         return [mode == "all"] * len(group)
     last = {g: i for i, g in enumerate(group)}
     return [last[g] == i for i, g in enumerate(group)]
+
+
+def _turn_tokens(name: str, records: list[Any]) -> dict[str, float]:
+    """The median cached and new (uncached) prompt tokens of these requests, as the server
+    reported them."""
+    known = [r for r in records if r.ok and r.cached_tokens is not None]
+    if not known:
+        return {}
+    return {
+        f"{name}_cached_tokens_p50": float(np.median([r.cached_tokens for r in known])),
+        f"{name}_new_tokens_p50": float(np.median([r.prompt_len - r.cached_tokens for r in known])),
+    }
 
 
 def _ideal_prefill(book: PromptBook, records: list[Any]) -> int | None:

@@ -8,6 +8,9 @@ prefill can be computed from what the server saw; llama-server does it with `"ve
 in the body (each chunk's `__verbose.tokens`); a server without either still works, the child
 then extends the parent's prompt only.
 
+With `return_timeline`, radixlm's timeline of the request (where its time to first token went,
+stage by stage) is kept from the body or the stream's last chunk.
+
 Behind a gateway, the response headers say which replica answered: radixlm's own
 `x-radixlm-worker`, else smg's `x-smg-routed-worker-id`. A stream is checked as it should end:
 a usage chunk carrying `cached_tokens`, then `[DONE]`.
@@ -35,6 +38,7 @@ class ClientOptions:
     api_key: str | None = None
     ignore_eos: bool = True  # generate exactly max_tokens (vLLM/SGLang/radixlm extension)
     return_token_ids: bool = True
+    return_timeline: bool = False  # radixlm's per-request timeline (server/timeline.py)
     timeout_s: float = 600.0
     extra_body: dict[str, Any] = field(default_factory=dict)  # server-specific request fields
 
@@ -62,6 +66,7 @@ class RequestRecord:
     finish_reason: str | None = None
     worker: str | None = None  # the replica that answered, when a response header names it
     usage_then_done: bool = False  # a stream ended with a usage chunk (cached_tokens), [DONE]
+    timeline: dict[str, Any] | None = None  # the server's, when asked for and given
 
     @property
     def ok(self) -> bool:
@@ -89,6 +94,8 @@ async def stream_completion(
         body["ignore_eos"] = True
     if options.return_token_ids:
         body["return_token_ids"] = True
+    if options.return_timeline:
+        body["return_timeline"] = True
     body.update(options.extra_body)
     headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
     url = f"{options.base_url}/v1/{'chat/completions' if chat else 'completions'}"
@@ -153,6 +160,8 @@ async def _stream(
 def _read_chunk(chunk: dict[str, Any], record: RequestRecord) -> int:
     """Fold one chunk (or a whole non-streamed response) into the record; the number of new
     output tokens it carried."""
+    if isinstance(chunk.get("timeline"), dict):
+        record.timeline = chunk["timeline"]
     usage = chunk.get("usage")
     if usage:
         details = usage.get("prompt_tokens_details") or {}

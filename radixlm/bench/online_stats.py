@@ -3,6 +3,10 @@
 TTFT counts every request that received a first token (those that hung up later included);
 inter-token latency pools the gaps of every stream; throughput divides the output tokens received
 by the wall time of the whole run. A request that hung up on purpose is not an error.
+
+With timelines (radixlm's `return_timeline`), each stage's median and p99 over the requests;
+from a radixlm server's engine counters, the served efficiency: the share of the run's wall time
+the engine spent in forward passes (and in steps at all).
 """
 
 from __future__ import annotations
@@ -52,6 +56,39 @@ def summarize(
     return summary
 
 
+def timeline_summary(records: Sequence[RequestRecord]) -> dict[str, Any] | None:
+    """Per stage of the requests' timelines, p50 / p99 / mean in ms, and the same of their
+    first_token_ms; None when no request brought one back."""
+    timelines = [r.timeline for r in records if r.timeline is not None]
+    if not timelines:
+        return None
+    stages: dict[str, dict[str, float]] = {}
+    for stage in timelines[0]["stages_ms"]:
+        values = [t["stages_ms"][stage] for t in timelines if t["stages_ms"][stage] is not None]
+        if values:
+            stages[stage] = _ms_percentiles(values)
+    return {
+        "num_requests": len(timelines),
+        "first_token_ms": _ms_percentiles([t["first_token_ms"] for t in timelines]),
+        "num_forwards_p50": float(np.median([t["num_forwards"] for t in timelines])),
+        "stages_ms": stages,
+    }
+
+
+def served_efficiency(rows: Sequence[dict[str, Any]], duration_s: float) -> dict[str, Any] | None:
+    """Forward and step seconds over the run's wall time, from the one server's engine
+    counters (None without them, or for several replicas: each has its own)."""
+    if len(rows) != 1 or rows[0].get("forward_s") is None or duration_s <= 0:
+        return None
+    row = rows[0]
+    return {
+        "forward_s": row["forward_s"],
+        "step_s": row["step_s"],
+        "served_efficiency": row["forward_s"] / duration_s,
+        "step_share": row["step_s"] / duration_s,
+    }
+
+
 def merged_accounting(caches: dict[str, dict[str, Any] | None]) -> dict[str, Any] | None:
     """The accounting of every server that answered, as one /v1/cache-like dict."""
     answered = [c for c in caches.values() if c is not None]
@@ -71,16 +108,19 @@ def server_rows(
     rows = []
     for url, cache in after.items():
         start = before.get(url)
-        prefill = None
+        prefill = forward = step = None
         if cache is not None and start is not None:
-            prefill = (
-                cache["engine_stats"]["prefill_tokens"] - start["engine_stats"]["prefill_tokens"]
-            )
+            now, then = cache["engine_stats"], start["engine_stats"]
+            prefill = now["prefill_tokens"] - then["prefill_tokens"]
+            if "forward_s" in now and "forward_s" in then:  # a radixlm that counts them
+                forward, step = now["forward_s"] - then["forward_s"], now["step_s"] - then["step_s"]
         rows.append(
             {
                 "url": url,
                 "answered": cache is not None,
                 "prefill_tokens": prefill,
+                "forward_s": forward,
+                "step_s": step,
                 "num_in_flight": None if cache is None else cache.get("num_in_flight"),
                 "num_tree_tokens": None if cache is None else cache.get("num_tree_tokens"),
                 "accounting_ok": None if cache is None else cache.get("accounting_ok"),
@@ -114,6 +154,15 @@ def replica_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _ms_percentiles(ms: Sequence[float]) -> dict[str, float]:
+    values = np.asarray(ms, dtype=float)
+    return {
+        "p50": float(np.percentile(values, 50)),
+        "p99": float(np.percentile(values, 99)),
+        "mean": float(values.mean()),
+    }
+
+
 def percentiles(name: str, seconds: Sequence[float]) -> dict[str, float]:
     if not seconds:
         return {f"{name}_p50_ms": float("nan"), f"{name}_p99_ms": float("nan")}
@@ -140,6 +189,11 @@ def format_summary(s: dict[str, Any]) -> str:
             f"TTFT turns    first p50 {s['root_ttft_p50_ms']:.1f} ms, follow-up p50 "
             f"{s['followup_ttft_p50_ms']:.1f} ms   p99 {s['followup_ttft_p99_ms']:.1f} ms"
         )
+    if "followup_new_tokens_p50" in s:
+        lines.append(
+            f"follow-ups    {s['followup_new_tokens_p50']:.0f} new tokens over "
+            f"{s['followup_cached_tokens_p50']:.0f} cached (medians)"
+        )
     lines += [
         f"cached        {s['cached_tokens']} of {s['prompt_tokens']} prompt tokens of completed "
         f"requests ({s['hit_rate']:.1%})",
@@ -150,6 +204,15 @@ def format_summary(s: dict[str, Any]) -> str:
             f"prefill       {s['server_prefill_tokens']} tokens computed by the server(s), "
             f"{ideal if ideal is not None else 'unknown'} for an ideal cache"
         )
+    if s.get("served_efficiency") is not None:
+        lines.append(
+            f"engine        {s['served_efficiency']:.1%} of the wall time in forward passes "
+            f"(served efficiency), {s['step_share']:.1%} in engine steps"
+        )
+    for name, label in (("timeline", "all"), ("root_timeline", "first turns"),
+                        ("followup_timeline", "follow-ups")):  # fmt: skip
+        if s.get(name):
+            lines += format_timeline(s[name], label)
     if s.get("requests_by_worker"):
         shares = ", ".join(f"{w} {x:.0%}" for w, x in sorted(s["worker_share"].items()))
         lines.append(
@@ -169,3 +232,19 @@ def format_summary(s: dict[str, Any]) -> str:
             f"{'ok' if s['accounting_ok'] else 'BROKEN'} (free + tree + in flight == capacity)"
         )
     return "\n".join(lines)
+
+
+def format_timeline(t: dict[str, Any], label: str) -> list[str]:
+    """A timeline summary as lines: the first token's p50 / p99, then each stage's p50 (ms)
+    with its share of the summed p50s, the largest first."""
+    first = t["first_token_ms"]
+    lines = [
+        f"timeline      {label}: first token p50 {first['p50']:.2f} ms  p99 {first['p99']:.2f} "
+        f"ms over {t['num_requests']} requests; stage p50s:"
+    ]
+    stages = sorted(t["stages_ms"].items(), key=lambda kv: -kv[1]["p50"])
+    total = sum(v["p50"] for _, v in stages) or 1.0
+    cells = [f"{k} {v['p50']:.2f} ({v['p50'] / total:.0%})" for k, v in stages]
+    for i in range(0, len(cells), 5):
+        lines.append("                " + ", ".join(cells[i : i + 5]))
+    return lines

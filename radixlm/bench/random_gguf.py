@@ -7,9 +7,10 @@ models without downloading them (a decode step's speed does not depend on the va
 The tokenizer (and its chat template) is the default model's, copied from its GGUF, so
 `radixlm serve` runs the file; token ids past its vocabulary are never produced by it but are
 rows of the embedding like any other. Its token list is padded with unused tokens up to the
-shape's vocabulary, since llama.cpp refuses a file whose embedding has more rows than tokens. Quantized types are written as the `gguf` package
-quantizes random normal weights (Q4_0, Q4_1, Q8_0) or as random blocks with small scales
-(Q4_K, Q5_K, Q6_K, which it cannot quantize): either is a valid file of that type.
+shape's vocabulary, since llama.cpp refuses a file whose embedding has more rows than tokens.
+Quantized types are written as the `gguf` package quantizes random normal weights (Q4_0, Q4_1,
+Q8_0) or as random blocks with small scales (Q4_K, Q5_K, Q6_K, which it cannot quantize):
+either is a valid file of that type.
 """
 
 from __future__ import annotations

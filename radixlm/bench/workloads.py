@@ -160,6 +160,24 @@ def multiturn(
     return _chains("multiturn", draw, num_turns, firsts, turn_len, output_len)
 
 
+def followup(
+    *,
+    token_range: range,
+    seed: int = 0,
+    num_conversations: int = 8,
+    history_len: int = 1000,
+    num_turns: int = 4,
+    turn_len: int = 16,
+    output_len: int = 8,
+) -> Workload:
+    """The follow-up benchmark: conversations that start with a long history (history_len
+    tokens), then `num_turns` short turns of turn_len new tokens each, every one over its whole
+    history cached: a small extend over a long prefix, the next turn of a chat."""
+    draw = _Draw(token_range, seed)
+    firsts = draw.siblings(num_conversations, history_len)
+    return _chains("followup", draw, num_turns + 1, firsts, turn_len, output_len)
+
+
 def tot(
     *,
     token_range: range,
@@ -240,6 +258,7 @@ def random(
 WORKLOADS: Mapping[str, Callable[..., Workload]] = {
     "gsp": gsp,
     "multiturn": multiturn,
+    "followup": followup,
     "tot": tot,
     "fewshot": fewshot,
     "agent": agent,

@@ -41,6 +41,7 @@ def merge_deltas(deltas: list[StreamDelta]) -> list[StreamDelta]:
                 text=before.text + d.text,
                 token_ids=before.token_ids + d.token_ids,
                 logprobs=before.logprobs + d.logprobs,
+                first_token=before.first_token or d.first_token,
             )
         merged[key] = d
     return list(merged.values())

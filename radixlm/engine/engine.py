@@ -48,10 +48,10 @@ from radixlm.engine.runner import ModelRunner
 from radixlm.engine.sampler import SampledToken, Sampler, SamplingFailure
 from radixlm.engine.scheduler import Scheduler
 from radixlm.engine.speculate import Speculator
-from radixlm.engine.step_plan import SampleRow, SchedulerOutput
+from radixlm.engine.step_plan import SampleRow, ScheduledRequest, SchedulerOutput
 from radixlm.model.loader import LoadProgress
 from radixlm.model.verify_rows import exact_rows
-from radixlm.request import FinishReason, SamplingParams, StreamDelta
+from radixlm.request import FinishReason, FirstTokenTimes, SamplingParams, StreamDelta
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,8 @@ class EngineStats:
     output_tokens: int = 0  # tokens sampled and appended to outputs
     draft_tokens: int = 0  # draft tokens verified (rows computed beside the decode rows)
     accepted_tokens: int = 0  # of those, the ones the model agreed with
+    forward_s: float = 0.0  # wall time inside the model's forward passes
+    step_s: float = 0.0  # wall time inside step(): the forwards, scheduling, sampling, output
 
 
 class QueueFullError(RuntimeError):
@@ -182,6 +184,13 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
         """Run one scheduling + forward pass; return what each touched request produced."""
+        started = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.stats.step_s += time.perf_counter() - started
+
+    def _step(self) -> list[StreamDelta]:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
@@ -197,6 +206,7 @@ class Engine:
             raise
         if all(s.extend_len == 1 for s in plan.scheduled):  # decode rows only: the row-cost fit
             self.speculator.observe_step(batch.num_tokens, time.perf_counter() - started)
+        _note_forward(plan.scheduled, self.stats, time.perf_counter() - started)
         self._count(plan)
         to_sample = self.scheduler.postprocess(plan.scheduled)
         if not to_sample:
@@ -222,6 +232,8 @@ class Engine:
             fresh = dict(zip(need, self.sampler.sample_each(
                 logits[[rows[i].row + depth for i in need]], [rows[i].req.sampling for i in need]
             ))) if need else {}  # fmt: skip
+            if depth == 0:  # the timeline's sampling: before any first token is appended
+                _note_sampling([rows[i] for i in live], time.perf_counter() - now)
             going = []
             for i in live:
                 outcome = ahead[i][depth] if i in ahead else fresh[i]
@@ -277,12 +289,14 @@ class Engine:
             req.sampling.advance(token)  # the grammar, if any, follows every sampled token
         except GrammarError as exc:
             return self._fail(req, "following its grammar", exc)
+        started = time.perf_counter()
         try:
             text, reason = req.output_stream.push(token)  # the one decider of why it ends
         except Exception as exc:  # the request's own detokenizer or stop checks
             return self._fail(req, "detokenizing", exc)
         if req.first_token_time is None:
             req.first_token_time = now
+            req.first_token_work.detokenize_s = time.perf_counter() - started
         req.output_ids.append(token)
         req.all_ids.append(token)
         if sampled.logprobs is not None:
@@ -334,6 +348,7 @@ class Engine:
             error=req.error,
             drafted_tokens=self._drafted(req),
             accepted_tokens=req.speculation.accepted if req.speculation else 0,
+            first_token=_first_token_times(req) if n and len(req.output_ids) == n else None,
         )
 
     def _drafted(self, req: Request) -> int | None:
@@ -366,4 +381,37 @@ def _row_free(req: Request) -> bool:
         and p.presence_penalty == 0.0
         and p.frequency_penalty == 0.0
         and len(req.output_ids) >= p.min_tokens
+    )
+
+
+def _note_forward(scheduled: list[ScheduledRequest], stats: EngineStats, seconds: float) -> None:
+    """Count a forward pass: in the engine's total, and for each request still waiting for its
+    first token."""
+    stats.forward_s += seconds
+    for item in scheduled:
+        if item.req.first_token_time is None:
+            work = item.req.first_token_work
+            work.forward_s += seconds
+            work.num_forwards += 1
+
+
+def _note_sampling(rows: list[SampleRow], seconds: float) -> None:
+    for row in rows:
+        if row.req.first_token_time is None:
+            row.req.first_token_work.sample_s = seconds
+
+
+def _first_token_times(req: Request) -> FirstTokenTimes:
+    """The engine's part of the timeline, once `req` has its first token."""
+    work, sampled = req.first_token_work, req.first_token_time
+    assert sampled is not None  # called for the delta carrying the first token
+    return FirstTokenTimes(
+        received=req.arrival_time,
+        scheduled=req.first_scheduled_time or sampled,
+        sampled=sampled,
+        match_s=work.match_s,
+        forward_s=work.forward_s,
+        num_forwards=work.num_forwards,
+        sample_s=work.sample_s,
+        detokenize_s=work.detokenize_s,
     )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -39,6 +40,19 @@ from radixlm.request import (
     TokenLogprob,
 )
 from radixlm.tokenizer import Tokenizer
+
+
+@dataclass
+class FirstTokenWork:
+    """What a sample spent before its first token, added up by the engine thread as it happens
+    (seconds; the scheduler adds the match, the engine the rest) and frozen into the first
+    token's `FirstTokenTimes`."""
+
+    match_s: float = 0.0
+    forward_s: float = 0.0
+    num_forwards: int = 0
+    sample_s: float = 0.0
+    detokenize_s: float = 0.0
 
 
 class RequestState(enum.Enum):
@@ -96,6 +110,7 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
+        self.first_token_work = FirstTokenWork()  # the timeline's engine part, until then
 
         # The sampler reads the token lists in place; the stream decides when the output ends.
         eos = frozenset() if params.ignore_eos else tokenizer.eos_token_ids

@@ -164,7 +164,9 @@ class Scheduler:
         for req in self._waiting_order():
             if budget == 0 or len(self.running) >= self.config.max_running_requests:
                 break
+            started = time.perf_counter()
             match = self._match(req)
+            req.first_token_work.match_s += time.perf_counter() - started
             if match is None:
                 continue  # its prefix is loading from disk: admitted once it is in RAM
             if in_progress is not None:

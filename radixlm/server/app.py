@@ -17,8 +17,9 @@
 (server/tenancy.py owns the rules, docs/security.md lists what each surface shows a tenant.)
 
 Around the routes, outermost first: the request counter (every response is counted, 500s and
-413s included), `ErrorMiddleware` (an unexpected exception is one logged 500) and
-`BodyLimitMiddleware` (bodies are read within their size and time limits before any route).
+413s included), `ErrorMiddleware` (an unexpected exception is one logged 500),
+`TimelineMiddleware` (each request's clock, started as it arrives; its stages to the metrics)
+and `BodyLimitMiddleware` (bodies are read within their size and time limits before any route).
 
 The app does not own the engine's lifecycle: whoever built the AsyncEngine starts it before
 serving and shuts it down after (`radixlm serve`, the test fixtures). Everything per-server
@@ -43,6 +44,7 @@ from radixlm.server.observatory_routes import cache_page_router, observatory_rou
 from radixlm.server.openai_routes import openai_router
 from radixlm.server.responses_api.routes import responses_router
 from radixlm.server.state import ServerState
+from radixlm.server.timeline import TimelineMiddleware
 from radixlm.server.worker_routes import WORKER_ROUTES, install_worker_routes
 
 ROUTES = frozenset(
@@ -94,6 +96,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
         timeout_s=config.body_timeout_s,
         idle_timeout_s=config.body_idle_timeout_s,
     )
+    app.add_middleware(TimelineMiddleware, observer=state.metrics)
     app.add_middleware(ErrorMiddleware)
     app.add_middleware(
         RequestCounterMiddleware, metrics=state.metrics, routes=ROUTES | WORKER_ROUTES

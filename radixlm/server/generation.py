@@ -3,7 +3,8 @@
 A /v1/completions request may carry a batch of prompts and every request may ask for n samples;
 OpenAI numbers the resulting choices `prompt_index * n + sample_index`. `Generation` runs one
 `AsyncEngine.generate` stream per prompt as a task, merges their deltas in arrival order, keeps
-the usage counts and feeds the latency metrics.
+the usage counts, feeds the latency metrics and, given the request's clock, notes its submission
+and each prompt's first token there (`timeline.py`).
 
     gen = Generation(engine, prompts, params, "cmpl-1", salt, metrics)
     await gen.start()              # every prompt admitted (or the engine's ValueError, raised)
@@ -22,6 +23,7 @@ from typing import Protocol, cast
 
 from radixlm.engine.async_engine import AsyncEngine
 from radixlm.request import SamplingParams, StreamDelta
+from radixlm.server.timeline import RequestClock
 
 
 class LatencyObserver(Protocol):
@@ -96,6 +98,7 @@ class Generation:
         namespace: str | None = None,
         observer: LatencyObserver | None = None,
         registry: set[Generation] | None = None,
+        clock: RequestClock | None = None,
     ) -> None:
         self.engine = engine
         self.prompts = [list(p) for p in prompts]
@@ -104,7 +107,9 @@ class Generation:
         self.namespace = namespace
         self.observer = observer
         self.registry = registry  # the server's open generations (aborted at shutdown)
-        self.arrival = time.perf_counter()
+        self.clock = clock
+        # TTFT counts from the request's arrival (its clock), else from now
+        self.arrival = clock.arrived if clock is not None else time.perf_counter()
         self._events: asyncio.Queue[tuple[int, StreamDelta | BaseException | None]] = (
             asyncio.Queue()
         )
@@ -179,8 +184,12 @@ class Generation:
             AsyncGenerator[StreamDelta, None],
             self.engine.generate(prompt, self.params, rid, self.namespace),
         )
+        if self.clock is not None:
+            self.clock.mark_submitted()  # the stream's first step submits it to the engine
         try:
             async for delta in stream:
+                if delta.first_token is not None and delta.index == 0 and self.clock is not None:
+                    self.clock.first_token(i, delta.first_token)
                 self._events.put_nowait((i, delta))
             self._events.put_nowait((i, _END))
         except Exception as exc:  # the engine refused the prompt: start() re-raises it

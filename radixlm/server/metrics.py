@@ -2,11 +2,13 @@
 
 Two sources:
 - what the server sees: requests by route and status (an ASGI middleware), prompt and generated
-  tokens, time to first token and inter-token latency (fed by `Generation`);
+  tokens, time to first token and inter-token latency (fed by `Generation`), and each stage of
+  every request's timeline up to its first token (`timeline.py`, fed by its middleware);
 - what the engine knows: prefix-cache queried / hit / evicted tokens, the hit rate, running and
-  waiting requests and the KV slot split, and with an L2 tier its hit tokens, bytes written
-  and read, load latency, rejected admissions and page split; with speculation, draft tokens
-  verified and kept per source. A scrape takes a fresh
+  waiting requests and the KV slot split, the seconds spent in forward passes and in steps (the
+  served efficiency: forward seconds over wall seconds), and with an L2 tier its hit tokens,
+  bytes written and read, load latency, rejected admissions and page split; with speculation,
+  draft tokens verified and kept per source. A scrape takes a fresh
   `EngineSnapshot` (in the engine thread) and `EngineCollector` exposes it, so engine-side
   values are never stale or racy.
 
@@ -36,6 +38,11 @@ _LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
     0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
+# a stage of a timeline lasts from microseconds (a cache match) to seconds (a long prefill)
+_STAGE_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.015, 0.03, 0.06, 0.125,
+    0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0,
+)  # fmt: skip
 
 
 class ServerMetrics:
@@ -61,6 +68,11 @@ class ServerMetrics:
             "radixlm_inter_token_latency_seconds", "Time between two tokens of one stream",
             buckets=_LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
+        self.stages = Histogram(
+            "radixlm_request_stage_seconds",
+            "Each stage of a request's timeline up to its first token (server/timeline.py)",
+            ["stage"], buckets=_STAGE_BUCKETS, registry=self.registry,
+        )  # fmt: skip
         self.cache_reports = Counter(
             "radixlm_cache_reports", "Requests explained (return_cache_report) by reason",
             ["reason"], registry=self.registry,
@@ -81,6 +93,11 @@ class ServerMetrics:
     def observe_finished(self, prompt_tokens: int, completion_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
+
+    def observe_stages(self, stages: dict[str, float | None]) -> None:
+        for stage, seconds in stages.items():
+            if seconds is not None:
+                self.stages.labels(stage).observe(max(seconds, 0.0))
 
     def observe_cache_report(self, reason: str, lost_tokens: int) -> None:
         self.cache_reports.labels(reason).inc()
@@ -113,6 +130,13 @@ class EngineCollector(Collector):
         if self.exact:
             yield from _hit_metrics(s)
         yield _counter("radixlm_engine_steps", "Forward passes", stats.get("steps", 0))
+        yield _counter(
+            "radixlm_engine_forward_seconds", "Wall time in forward passes", stats["forward_s"]
+        )
+        yield _counter(
+            "radixlm_engine_step_seconds",
+            "Wall time in engine steps (forwards, scheduling, sampling, output)", stats["step_s"],
+        )  # fmt: skip
         yield _gauge("radixlm_num_requests_running", "Requests running", s.num_running)
         yield _gauge("radixlm_num_requests_waiting", "Requests waiting", s.num_waiting)
         yield _gauge("radixlm_kv_slots_used", "KV slots not free", round_(s.num_used))

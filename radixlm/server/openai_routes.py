@@ -5,7 +5,8 @@ checked first, text tokenized on the tokenizer threads: `admission.py`) -> Sampl
 (max_tokens defaults to what fits the context and the pool) -> its cache namespace
 (`tenancy.py`) -> its cache reports started, when asked (`observatory/service.py`) ->
 `respond()`: the engine admits it (or a 400 / 503), and a JSON response or an SSE stream answers
-(`respond.py`).
+(`respond.py`). The request's clock (`timeline.py`) is told when validation and the prompt are
+done, and what rendering and tokenizing took.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import functools
 import time
 import uuid
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -32,6 +33,7 @@ from radixlm.server.respond import respond
 from radixlm.server.responses import Kind, ResponseHeader
 from radixlm.server.sampling import SamplingFields, sampling_params
 from radixlm.server.state import ServerState
+from radixlm.server.timeline import RequestClock, clock_of
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -41,34 +43,50 @@ def openai_router(state: ServerState) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        clock = _clock(request)
         body = await parse_body(request, state, CompletionRequest, chat=False)
         check_model(state, body.model)
         state.admission.check_fields(body)  # stop, logit_bias: bounded before anything reads them
+        clock.mark_validated()
         prompts = [await state.admission.prompt_ids(p) for p in body.prompts]
+        if any(isinstance(p, str) for p in body.prompts):  # text: tokenized on the threads
+            clock.add_prompt_costs(0.0, time.perf_counter() - (clock.validated or 0.0))
+        clock.mark_prompt_ready()
         header = _header(state, body, "completion", body.logprobs, prompts)
         params = _sampling_params(state, body, prompts, body.max_tokens, body.logprobs, "prompt")
         namespace = state.tenancy.namespace(request, body.cache_salt)
         reports: Reports = []
         if body.return_cache_report:  # explained only when asked: no cost for the others
             reports = [start_report(state, p, namespace) for p in prompts]
-        answer = respond(request, state, body, prompts, params, header, namespace, "prompt")
+        answer = respond(
+            request, state, body, prompts, params, header, namespace, "prompt",
+            batch=body.is_batch,
+        )  # fmt: skip
         return await _with_reports(answer, reports, batch=body.is_batch)
 
     agents = state.agents
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        clock = _clock(request)
         body = await parse_body(request, state, ChatCompletionRequest, chat=True)
         check_model(state, body.model)
         state.admission.check_fields(body, body.messages)  # before tools compile or render
         namespace = state.tenancy.namespace(request, body.cache_salt)
+        clock.mark_validated()
         response_format = body.response_format.to_dict() if body.response_format else None
         plan = await plan_chat(
             agents, body.tool_dicts or None, body.tool_choice_value, body.parallel_tool_calls,
             response_format,
         )  # fmt: skip
-        render = functools.partial(agents.prompt_ids, tools=plan.tools, namespace=namespace)
+
+        def render(messages: list[dict[str, Any]]) -> list[int]:  # on a tokenizer thread
+            rendered = agents.renderer.prompt(messages, plan.tools, namespace)
+            clock.add_prompt_costs(rendered.costs.template_s, rendered.costs.tokenize_s)
+            return rendered.ids
+
         prompt = await state.admission.chat_ids(body.messages, render)
+        clock.mark_prompt_ready()
         top = (body.top_logprobs or 0) if body.logprobs else None
         header = _header(state, body, "chat", top, [prompt])
         params = _sampling_params(
@@ -101,6 +119,12 @@ def openai_router(state: ServerState) -> APIRouter:
 
 
 # ---- helpers --------------------------------------------------------------------------------
+def _clock(request: Request) -> RequestClock:
+    """The request's clock (TimelineMiddleware starts one for every request; a fresh one where
+    the app runs without it)."""
+    return clock_of(request.scope) or RequestClock()
+
+
 async def _with_reports(
     answer: Awaitable[Response], reports: Reports, batch: bool = False
 ) -> Response:

@@ -74,6 +74,7 @@ class SamplingRequest(_Strict):
     prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
     min_tokens: int = Field(0, ge=0)  # end-of-sequence and stop ids are banned until then (vLLM)
     return_token_ids: bool = False  # choices carry their token ids (vLLM's extension)
+    return_timeline: bool = False  # where its time went, stage by stage: server/timeline.py
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     logit_bias: dict[str, float] | None = None  # token id (a string) -> bias, clamped to +-100
 

@@ -4,7 +4,8 @@ body once every choice finished, or an SSE stream of chunks ending with `data: [
 A client that goes away is noticed while waiting (a watcher on the ASGI receive channel) or while
 streaming (Starlette cancels the body); either way the generation is closed, which aborts the
 engine request and returns its KV slots. Every admitted prompt is noted in the observatory's
-index (the salt check of later cache reports).
+index (the salt check of later cache reports). A request that sets `return_timeline` gets its
+timeline (`timeline.py`) in the JSON body, or in a stream's last chunk before `[DONE]`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from radixlm.server.responses import (
     usage_chunk,
 )
 from radixlm.server.state import ServerState
+from radixlm.server.timeline import RequestClock, clock_of
 
 ABORTED = "The server is shutting down: the request was aborted"  # the only abort a client sees
 T = TypeVar("T")
@@ -46,12 +48,16 @@ async def respond(
     namespace: str | None,
     prompt_param: str,
     outputs: ChatOutputs | None = None,
+    batch: bool = False,
 ) -> Response:
     """Admit the prompts (a 503 when the queue is full, a 400 the engine refuses) and answer;
-    `outputs` parses a chat's tool calls out of its text."""
+    `outputs` parses a chat's tool calls out of its text; `batch`: a completions batch (its
+    timeline is a list)."""
     gen = await admit(request, state, prompts, params, header.id, namespace, prompt_param)
+    timeline = _Timeline(gen.clock, len(prompts), batch) if body.return_timeline else None
     if body.stream:
-        chunks = _stream(gen, header, body.include_usage, state.tenancy.reported, outputs)
+        reported = state.tenancy.reported
+        chunks = _stream(gen, header, body.include_usage, reported, outputs, timeline)
         return StreamingResponse(chunks, media_type="text/event-stream")
     try:
         results = await until_disconnected(request, lambda: _collect(gen, len(prompts) * body.n))
@@ -69,7 +75,10 @@ async def respond(
             result.finish_reason = finish_reason(result.finish_reason, made_calls=True)
         elif reply.content != "".join(result.text):  # none parsed: an unclosed call is text
             result.text = [reply.content or ""]
-    return JSONResponse(full_response(header, results, state.tenancy.reported(gen.usage)))
+    answer = full_response(header, results, state.tenancy.reported(gen.usage))
+    if timeline is not None:
+        answer["timeline"] = timeline.value()
+    return JSONResponse(answer)
 
 
 async def admit(
@@ -84,8 +93,9 @@ async def admit(
     """The engine admits the prompts (a 503 when its queue is full, a 400 for what it refuses)
     and their generation starts; the prompts are noted for the salt index."""
     gen = Generation(
-        state.engine, prompts, params, request_id, namespace, state.metrics, state.generations
-    )
+        state.engine, prompts, params, request_id, namespace, state.metrics, state.generations,
+        clock_of(request.scope),
+    )  # fmt: skip
     try:
         await until_disconnected(request, gen.start)
     except QueueFullError as exc:
@@ -110,6 +120,7 @@ async def _stream(
     include_usage: bool,
     reported: Callable[[Usage], Usage],
     outputs: ChatOutputs | None = None,
+    timeline: _Timeline | None = None,
 ) -> AsyncIterator[str]:
     started: set[int] = set()
     offsets: dict[int, int] = {}  # text offset per choice (completions logprobs)
@@ -129,13 +140,32 @@ async def _stream(
                 continue  # text held back (an incomplete character, a stop string, a tag)
             offset = offsets.get(choice.index, 0)
             yield _sse(stream_chunk(header, chunk, offset, first, include_usage))
+            if first and gen.clock is not None:  # resumed: the chunk went to the connection
+                gen.clock.written(choice.index // header.n)
             started.add(choice.index)
             offsets[choice.index] = offset + len(chunk.text[0])
-        if include_usage:
-            yield _sse(usage_chunk(header, reported(gen.usage)))
+        last = usage_chunk(header, reported(gen.usage)) if include_usage else None
+        if timeline is not None:
+            last = last or {**header.base(chunk=True), "choices": []}
+            last["timeline"] = timeline.value()
+        if last is not None:
+            yield _sse(last)
         yield "data: [DONE]\n\n"
     finally:
         await gen.aclose()
+
+
+class _Timeline:
+    """The "timeline" a response carries: one prompt's, or a list for a completions batch."""
+
+    def __init__(self, clock: RequestClock | None, num_prompts: int, batch: bool) -> None:
+        self.clock, self.num_prompts, self.batch = clock, num_prompts, batch
+
+    def value(self) -> Any:
+        if self.clock is None:
+            return [None] * self.num_prompts if self.batch else None
+        each = [self.clock.timeline(i) for i in range(self.num_prompts)]
+        return each if self.batch else each[0]
 
 
 def _parse_chunk(outputs: ChatOutputs, chunk: ChoiceResult) -> None:
