@@ -222,7 +222,7 @@ class Engine:
         deterministic draft: the draft token is kept with probability p(d), and a rejected row
         yields a token from p restricted to the others. One uniform per emitted token, as in
         plain decoding, so a seeded request gets the same tokens with speculation on or off."""
-        now = time.perf_counter()
+        started = now = time.perf_counter()
         deltas: list[StreamDelta] = []
         accepted = [0] * len(rows)
         ahead = self._sample_ahead(rows, logits)
@@ -232,8 +232,9 @@ class Engine:
             fresh = dict(zip(need, self.sampler.sample_each(
                 logits[[rows[i].row + depth for i in need]], [rows[i].req.sampling for i in need]
             ))) if need else {}  # fmt: skip
-            if depth == 0:  # the timeline's sampling: before any first token is appended
-                _note_sampling([rows[i] for i in live], time.perf_counter() - now)
+            if depth == 0:  # the timeline's sampling, noted before any first token is appended
+                now = time.perf_counter()  # the first token's time: once it is sampled
+                _note_sampling([rows[i] for i in live], now - started)
             going = []
             for i in live:
                 outcome = ahead[i][depth] if i in ahead else fresh[i]
