@@ -45,6 +45,7 @@ SOURCES = [
         "decode_attention.c",
         "decode_attention_bf16.c",
         "decode_attention_dots.c",
+        "decode_attention_i8.c",
         "extend_attention.c",
         "rope_store.c",
         "rms_norm.c",

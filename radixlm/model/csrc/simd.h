@@ -57,6 +57,16 @@ ALWAYS_INLINE vf load_bf16v(const uint16_t *p)
     return (vf)(__builtin_convertvector(half, vu) << 16);
 }
 
+typedef int8_t vc __attribute__((vector_size(VL))); /* VL int8 */
+
+/* VL int8 at p converted to float32. */
+ALWAYS_INLINE vf load_i8v(const int8_t *p)
+{
+    vc codes;
+    memcpy(&codes, p, sizeof codes);
+    return __builtin_convertvector(codes, vf);
+}
+
 /* Lane indices 0 .. VL-1. */
 ALWAYS_INLINE vi iota(void)
 {
