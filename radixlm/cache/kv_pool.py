@@ -151,8 +151,7 @@ class KVPool:
     @property
     def bytes_per_slot(self) -> int:
         """One token's K and V in every layer, scales included."""
-        row = self.head_dim * self.k.element_size() + (2 if self.quantized else 0)
-        return 2 * self.num_layers * self.num_kv_heads * row
+        return slot_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
     def alloc(self, n: int) -> np.ndarray:
         return self.allocator.alloc(n)
@@ -214,6 +213,14 @@ class KVPool:
         for tensor in (self.k, self.v, self.k_scales, self.v_scales):
             if tensor is not None:
                 tensor.index_copy_(dim, to, tensor.index_select(dim, frm))
+
+
+def slot_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """One token's K and V in every layer of a pool of `dtype`, an int8 pool's scales included
+    (two bfloat16 bytes per row)."""
+    element = torch.empty(0, dtype=dtype).element_size()
+    row = head_dim * element + (2 if dtype == torch.int8 else 0)
+    return 2 * num_layers * num_kv_heads * row
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
