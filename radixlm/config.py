@@ -135,6 +135,10 @@ class ServerConfig:
     max_queued_tokenizations: int = 64  # more waiting than this is a 503
     metrics_snapshot_ttl_s: float = 1.0  # /metrics reuses an engine snapshot this young
     cache_page_text: bool = False  # /cache and /v1/cache/tree show token text (prompts: private)
+    # The Responses API's stored responses (store + previous_response_id): at most this many per
+    # cache namespace, and this many bytes (their text and token ids) in all; LRU dropped first
+    max_stored_responses: int = 1024
+    max_stored_response_bytes: int = 256 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -167,7 +171,8 @@ class ServerConfig:
                 "report_cached_tokens must be 'exact', 'page' or 'none', "
                 f"got {self.report_cached_tokens!r}"
             )
-        for name in ("cached_tokens_page", "max_body_bytes", "max_concurrent_tokenizations"):
+        for name in ("cached_tokens_page", "max_body_bytes", "max_concurrent_tokenizations",
+                     "max_stored_responses", "max_stored_response_bytes"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queued_tokenizations < 0:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import torch
 import uvicorn
+from starlette.types import ASGIApp
 
 from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
 from radixlm.engine.async_engine import AsyncEngine
@@ -127,9 +128,11 @@ def live_server(
     cache: CacheConfig | None = None,
     scheduler: SchedulerConfig | None = None,
     server: ServerConfig | None = None,
+    wrap: Callable[[ASGIApp], ASGIApp] | None = None,
 ) -> Iterator[LiveServer]:
     """A server on a free port; `server` overrides the ServerConfig (its api_keys win over
-    `api_key`, which is the one key the LiveServer's requests carry)."""
+    `api_key`, which is the one key the LiveServer's requests carry); `wrap` wraps the app (a
+    test's own middleware, outermost)."""
     async_engine = AsyncEngine(
         lambda: Engine(
             ModelConfig(path=str(model_path), dtype="float32", num_threads=1),
@@ -140,7 +143,9 @@ def live_server(
     async_engine.start()
     keys = (api_key,) if api_key else ()
     config = server or ServerConfig(api_keys=keys, model_name="tiny")
-    app = create_app(async_engine, config)
+    app: ASGIApp = create_app(async_engine, config)
+    if wrap is not None:
+        app = wrap(app)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))  # a free port, held from now on: no race with other tests

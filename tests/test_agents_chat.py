@@ -51,14 +51,15 @@ def test_outputs_streamed_or_whole_agree_and_are_remembered(agents: ChatAgents) 
     plan = agents.plan([ADD], "required", None, None)
     text = "ok\n" + CALL
     ids = tokenizer.encode(text, add_special_tokens=False) + sorted(tokenizer.eos_token_ids)[-1:]
-    content, calls = ChatOutputs(agents, plan, "ns").message(text, ids)
+    reply = ChatOutputs(agents, plan, "ns").message(text, ids)
+    content, calls = reply.content, reply.calls
     assert content == "ok" and [c.name for c in calls] == ["add"]
     recalled = agents.memo.recall("ns", "ok", [("add", '{"a": 1, "b": 2}')])
     assert recalled == tuple(ids[:-1])  # the end-of-turn id is the template's to write
     streamed = ChatOutputs(agents, plan, "ns2")
     pieces = [streamed.delta(0, text[i : i + 5], ids[i : i + 5]) for i in range(0, len(text), 5)]
-    rest, made_calls = streamed.finish(0)
-    assert made_calls and "".join(p.content for p in [*pieces, rest]) == "ok"
+    rest, streamed_reply = streamed.finish(0)
+    assert streamed_reply.calls and "".join(p.content for p in [*pieces, rest]) == "ok"
     args = "".join(c.arguments for p in [*pieces, rest] for c in p.calls)
     assert args == calls[0].arguments
     assert agents.memo.recall("ns2", "ok", [("add", '{"a": 1, "b": 2}')]) == tuple(ids[:-1])

@@ -67,7 +67,10 @@ def test_builtin_format_for_a_template_without_tools() -> None:
 def test_plain_chats_encode_as_the_tokenizer_does() -> None:
     tokenizer = smollm()
     messages = [{"role": "user", "content": "hello"}]
-    expected = tokenizer.encode(tokenizer.render_chat(messages), add_special_tokens=False)
+    rendered = tokenizer.hf_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    expected = tokenizer.encode(rendered, add_special_tokens=False)
     assert PromptRenderer(tokenizer).prompt_ids(messages) == expected
 
 

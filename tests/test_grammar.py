@@ -118,7 +118,11 @@ def test_named_choice_and_parallel_calls(compiler: GrammarCompiler) -> None:
 
 def test_auto_is_free_unless_a_tool_is_strict(compiler: GrammarCompiler) -> None:
     assert compiler.tool_calls(parse_tools([ADD]), ToolChoice("auto"), parallel=True) is None
-    assert compiler.tool_calls(parse_tools([ADD]), ToolChoice("none"), parallel=True) is None
+    assert compiler.tool_calls([], ToolChoice("none"), parallel=True) is None
+    none = compiler.tool_calls(parse_tools([ADD]), ToolChoice("none"), parallel=True)
+    assert none is not None  # tools given, none allowed: free text that never opens a call
+    assert _accepts(compiler, "Just text, no call.", none)
+    assert not _accepts(compiler, "Sure: <tool_call>", none)
     strict = compiler.tool_calls(parse_tools([WEATHER]), ToolChoice("auto"), parallel=True)
     assert strict is not None
     assert _accepts(compiler, "Just text, no call.", strict)

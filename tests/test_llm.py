@@ -24,7 +24,9 @@ def test_text_ids_and_chat_prompts(llm: LLM) -> None:
     text, ids, messages = llm.generate(["hello there", [72, 105, 33], chat], GREEDY)
     assert text.prompt_token_ids == llm.tokenizer.encode("hello there")
     assert ids.prompt_token_ids == [72, 105, 33]
-    assert messages.prompt_token_ids == llm.tokenizer.apply_chat_template(chat)
+    hf = llm.tokenizer.hf_tokenizer
+    rendered = hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert messages.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
     for out in (text, ids, messages):
         assert len(out.token_ids) == 8
         assert out.finish_reason == "length"

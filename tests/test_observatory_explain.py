@@ -137,7 +137,7 @@ def test_tool_call_sent_back_re_serialized(tokenizer) -> None:  # type: ignore[n
         ],
     }
     report = replay.request(second)
-    assert report.reason == "different_previous_turn"
+    assert report.reason == "reformatted_turn"  # the same arguments, compacted
     assert (
         report.segment == "messages[2].tool_calls" and report.segment_kind == "assistant.tool_calls"
     )

@@ -45,7 +45,7 @@ def test_blocks_decode_to_what_gguf_dequantizes(qtype: T) -> None:
     blocks = decode(raw, qtype, (16, 512))
     expected = gguf.quants.dequantize(raw, qtype).reshape(16, 512)
     assert np.array_equal(blocks.dequantize(), expected)
-    assert blocks.bits == (4 if qtype in (T.Q4_0, T.Q4_1, T.Q4_K) else 8)
+    assert blocks.bits == {T.Q8_0: 8, T.Q5_K: 5, T.Q6_K: 6}.get(qtype, 4)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -253,3 +253,18 @@ def test_the_c_repacker_writes_the_records_numpy_packs(isa: str, mode: str, qtyp
         blocks = FileBlocks(raw.view(np.uint8), qtype, (32, 512), row_order)
         expected = layout.pack(blocks.decode(), mode)
         assert np.array_equal(kernels.repack_blocks(blocks, mode).numpy(), expected)
+
+
+def test_a_qwen2_file_with_biases_runs_as_its_dequantized_weights(tmp_path: Path) -> None:
+    """Qwen2's q/k/v biases beside quantized q/k/v weights: the layer loop adds them after the
+    integer matmul, and the logits are the float model's within float rounding."""
+    require_native_kernels()
+    path = write(str(tmp_path / "qwen2.gguf"), SHAPES["tiny-qwen2"], "Q4_K_M", seed=3,
+                 tokenizer_from=None)  # fmt: skip
+    exact = load_causal_lm(path, quant="exact")
+    assert exact.config.qkv_bias and exact.model.layers[0].self_attn.qkv_proj.quant is not None
+    ids = list(range(5, 40))
+    got, got_ids = forward_logits(exact, ids, 4)
+    expected, expected_ids = forward_logits(load_causal_lm(path, quant="float"), ids, 4)
+    assert (got - expected).abs().max() <= 2e-3 * expected.abs().max()
+    assert got_ids == expected_ids

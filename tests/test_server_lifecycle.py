@@ -69,11 +69,19 @@ def test_non_streaming_client_that_gives_up_is_aborted(server: LiveServer) -> No
 
 
 def test_many_streams_cut_at_random_points(server: LiveServer) -> None:
+    """Eight streams (some with n = 2) cut after a different number of events each: every one
+    had started streaming, every one is aborted (its samples with it), and the cache is left
+    with nothing in flight."""
+    aborted = _assert_idle(server)["engine_stats"]["aborted_requests"]
+    read: dict[int, int] = {}
+
     def cut_after(k: int) -> None:
-        body = {"prompt": f"stream {k}", "stream": True, "n": 1 + k % 2, **LONG}
+        body = {"prompt": f"stream {k}", "stream": True, "n": 1 + k % 2, **ENDLESS}
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
-            for i, _ in enumerate(r.iter_lines()):
-                if i >= 2 * k:
+            events = (line for line in r.iter_lines() if line.startswith("data: "))
+            for i, _ in enumerate(events):
+                read[k] = i + 1
+                if i + 1 >= 2 * k:
                     break
 
     threads = [threading.Thread(target=cut_after, args=(k,)) for k in range(1, 9)]
@@ -81,7 +89,9 @@ def test_many_streams_cut_at_random_points(server: LiveServer) -> None:
         t.start()
     for t in threads:
         t.join()
-    _assert_idle(server)
+    assert read == {k: 2 * k for k in range(1, 9)}
+    cache = _assert_idle(server)
+    assert cache["engine_stats"]["aborted_requests"] == aborted + 8  # each cut request
 
 
 def test_full_waiting_queue_is_a_503_with_retry_after(model: Path) -> None:
@@ -136,7 +146,10 @@ def test_health_answers_fast_during_a_long_prefill(
         worker.join()
         assert result["seconds"] > 0.3, "the prefill was too quick to test anything"
         assert len(latencies) >= 5
-        assert max(latencies) < 0.1, (max(latencies), result)
+        # A /health that waited for the engine would wait out the rest of the one prefill step,
+        # most of its time for some probe; one that never waits answers in a small share of it
+        # however busy the host is (an absolute bound is a bet on the host's load).
+        assert max(latencies) < 0.25 * result["seconds"], (max(latencies), result)
         _assert_idle(server)
 
 

@@ -1,11 +1,13 @@
-"""The tokenizer layer: encode/decode, chat templates, message validation, end-of-sequence ids."""
+"""The tokenizer layer: encode/decode, end-of-sequence ids; chat templates and message validation
+through the one renderer (`PromptRenderer`, `check_messages`)."""
 
 from __future__ import annotations
 
 import pytest
 from tiny_tokenizers import byte_level, sentencepiece_like, smollm
 
-from radixlm.tokenizer import NoChatTemplateError, validate_messages
+from radixlm.agents.chat_format import check_messages
+from radixlm.agents.prompt import NoChatTemplateError, PromptRenderer
 
 MULTILINGUAL = "héllo 世界 🙂 the quick fox 🎉"
 
@@ -42,12 +44,13 @@ def test_chat_template_ends_with_the_assistant_header() -> None:
             "content": [{"type": "text", "text": "héllo"}, {"type": "text", "text": "世界"}],
         },
     ]
-    text = tokenizer.render_chat(messages)
+    renderer = PromptRenderer(tokenizer)
+    text = renderer.render(messages)
     assert text == (
         "<|im_start|>system\nBe brief.<|im_end|>\n"
         "<|im_start|>user\nhéllo\n世界<|im_end|>\n<|im_start|>assistant\n"
     )
-    ids = tokenizer.apply_chat_template(messages)
+    ids = renderer.prompt_ids(messages)
     assert ids == tokenizer.encode(text, add_special_tokens=False)
     header = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
     assert ids[-len(header) :] == header
@@ -77,19 +80,27 @@ def test_chat_template_ends_with_the_assistant_header() -> None:
 )
 def test_invalid_messages_are_rejected_with_a_clear_message(messages: object, error: str) -> None:
     with pytest.raises(ValueError, match=error):
-        validate_messages(messages)
+        check_messages(messages)
     with pytest.raises(ValueError, match=error):
-        byte_level().apply_chat_template(messages)
+        PromptRenderer(byte_level()).prompt_ids(messages)
 
 
 def test_valid_messages_keep_their_other_fields() -> None:
-    messages = [{"role": "tool", "content": "42", "tool_call_id": "call_1"}]
-    assert validate_messages(messages) == messages
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "assistant", "content": None, "tool_calls": [call], "name": "bot"},
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+    ]
+    assert check_messages(messages) == [
+        {"role": "assistant", "content": None, "name": "bot",
+         "tool_calls": [{"id": "call_1", "name": "f", "arguments": "{}"}]},
+        messages[1],
+    ]  # fmt: skip
 
 
 def test_a_tokenizer_without_a_chat_template_says_so() -> None:
     with pytest.raises(NoChatTemplateError, match="no chat template"):
-        sentencepiece_like().apply_chat_template([{"role": "user", "content": "hi"}])
+        PromptRenderer(sentencepiece_like()).prompt_ids([{"role": "user", "content": "hi"}])
 
 
 def test_default_model_tokenizer_from_its_gguf() -> None:
@@ -97,7 +108,7 @@ def test_default_model_tokenizer_from_its_gguf() -> None:
     hf = tokenizer.hf_tokenizer
     assert tokenizer.vocab_size == 49152
     assert hf.convert_tokens_to_ids("<|im_end|>") in tokenizer.eos_token_ids
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}])
+    ids = PromptRenderer(tokenizer).prompt_ids([{"role": "user", "content": "What is 2 + 2?"}])
     header = [hf.convert_tokens_to_ids("<|im_start|>"), *tokenizer.encode("assistant\n")]
     assert ids[-len(header) :] == header
     assert tokenizer.decode(tokenizer.encode(MULTILINGUAL)) == MULTILINGUAL

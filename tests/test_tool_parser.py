@@ -98,5 +98,4 @@ def test_streamed_deltas_reassemble_into_the_same_calls_wherever_cut(text: str) 
         assert content == (whole.content or ""), cut
     content, calls, fragments = _stream(list(text))  # one character per delta
     assert calls == expected and content == (whole.content or "")
-    if expected:
-        assert fragments > len(expected)  # arguments arrive in fragments, not at once
+    assert fragments == 0  # a call is sent whole, once it is closed: never half a call

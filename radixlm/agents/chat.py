@@ -15,12 +15,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from radixlm.agents.grammar import Constraint, GrammarCompiler
-from radixlm.agents.prompt import PromptRenderer, TurnMemo
+from radixlm.agents.grammar import JSON_OBJECT, Constraint, GrammarCompiler, TextFormat
+from radixlm.agents.prompt import PromptRenderer
 from radixlm.agents.tool_parser import ParseDelta, ToolCall, ToolCallParser, parse_tool_calls
 from radixlm.agents.tools import ToolChoice, ToolSpec, parse_tool_choice, parse_tools
+from radixlm.agents.turns import Turn, TurnMemo, turn_ids
 from radixlm.tokenizer import Tokenizer
 
 
@@ -64,19 +65,18 @@ class ChatAgents:
         parallel_tool_calls: bool | None,
         response_format: Mapping[str, Any] | None,
     ) -> ChatPlan:
-        """Validate tools and compile the request's grammar. Raises ValueError naming the
-        problem: a malformed tool or schema, a named tool not in tools, a schema that cannot
-        compile. A forced tool choice constrains the output; otherwise the response format."""
+        """Validate tools and compile the request's grammar (`GrammarCompiler.tool_calls`). Raises
+        ValueError naming the problem: a malformed tool or schema, a named tool not in tools,
+        a schema that cannot compile or accepts nothing."""
         specs = parse_tools(tools)
         choice = parse_tool_choice(tool_choice, specs)
         if specs:
             self.compiler.check_tools(specs)
         parallel = True if parallel_tool_calls is None else parallel_tool_calls
-        constraint = None
-        if choice.mode != "none" and specs:
-            constraint = self.compiler.tool_calls(specs, choice, parallel)
-        if constraint is None and response_format is not None:
-            constraint = self._response_format(response_format)
+        text_format = _text_format(response_format)
+        if not specs and text_format is None:
+            return ChatPlan(specs, choice, None)
+        constraint = self.compiler.tool_calls(specs, choice, parallel, text_format)
         return ChatPlan(specs, choice, constraint)
 
     def prompt_ids(
@@ -94,29 +94,30 @@ class ChatAgents:
         token_ids: Sequence[int],
         content: str | None,
         calls: Sequence[ToolCall],
-    ) -> None:
-        """Record the ids behind a returned assistant message. Only ids that decode to exactly
-        the text the client got are kept (a stop string cuts text, not ids); a trailing
-        end-of-sequence id is dropped, since the template writes the turn's end itself."""
-        ids = list(token_ids)
-        if ids and ids[-1] in self.tokenizer.eos_token_ids:
-            ids.pop()
-        if not ids or self.tokenizer.decode(ids) != text:
-            return
-        self.memo.remember(namespace, content, [(c.name, c.arguments) for c in calls], ids)
+    ) -> Turn | None:
+        """Record the ids behind a returned assistant message, when they are exactly what the
+        client saw (`turns.turn_ids`); the turn, or None when nothing was recorded."""
+        ids = turn_ids(self.tokenizer, text, token_ids)
+        if ids is None:
+            return None
+        turn = Turn(content, tuple((c.name, c.arguments) for c in calls), ids)
+        self.memo.remember(namespace, turn.content, turn.calls, turn.ids)
+        return turn
 
-    def _response_format(self, response_format: Mapping[str, Any]) -> Constraint | None:
-        kind = response_format.get("type")
-        if kind == "json_object":
-            return self.compiler.json_object()
-        if kind == "json_schema":
-            spec = response_format.get("json_schema") or {}
-            name = f"json_schema {spec.get('name', '')!r}"
-            schema = spec.get("schema")
-            if not isinstance(schema, Mapping):
-                raise ValueError(f"{name}: response_format.json_schema.schema must be an object")
-            return self.compiler.json_schema(schema, bool(spec.get("strict")), name)
+
+def _text_format(response_format: Mapping[str, Any] | None) -> TextFormat | None:
+    """A chat request's response_format as a grammar's text format (None: free text)."""
+    kind = None if response_format is None else response_format.get("type")
+    if response_format is None or kind not in ("json_object", "json_schema"):
         return None
+    if kind == "json_object":
+        return JSON_OBJECT
+    spec = response_format.get("json_schema") or {}
+    name = f"json_schema {spec.get('name', '')!r}"
+    schema = spec.get("schema")
+    if not isinstance(schema, Mapping):
+        raise ValueError(f"{name}: response_format.json_schema.schema must be an object")
+    return TextFormat(schema, bool(spec.get("strict")), name)
 
 
 @dataclass
@@ -127,12 +128,21 @@ class _Choice:
     content: list[str]
 
 
+class Reply(NamedTuple):
+    """One finished output as an assistant message."""
+
+    content: str | None  # None when the output was calls only
+    calls: list[ToolCall]
+    turn: Turn | None  # what was remembered for the next turn (None: ids the client never saw)
+
+
 class ChatOutputs:
     """One chat request's outputs as OpenAI messages: tool calls parsed out when the request
     has tools, and every finished choice remembered for the next turn.
 
-    Non-streaming: `message(text, token_ids)` per choice. Streaming: `delta(index, text, ids)` per
-    engine delta and `finish(index)` at its end, which flushes what the parser held back.
+    Non-streaming: `message(text, token_ids, finish_reason)` per choice. Streaming:
+    `delta(index, text, ids)` per engine delta and `finish(index, finish_reason)` at its end,
+    which decides what the parser held back (an unclosed call of a cut output is text).
     """
 
     def __init__(self, agents: ChatAgents, plan: ChatPlan, namespace: str | None) -> None:
@@ -141,18 +151,18 @@ class ChatOutputs:
         self.namespace = namespace
         self._choices: dict[int, _Choice] = {}
 
-    def message(self, text: str, token_ids: Sequence[int]) -> tuple[str | None, list[ToolCall]]:
-        """(content, tool calls) of a whole output; remembers it."""
+    def message(self, text: str, token_ids: Sequence[int], reason: str | None = "stop") -> Reply:
+        """A whole output as a message; remembers it."""
         if self.plan.parse_calls:
-            parsed = parse_tool_calls(text)
+            parsed = parse_tool_calls(text, cut=reason == "length")
             content, calls = parsed.content, parsed.tool_calls
         else:
             content, calls = text, []
-        self.agents.remember(self.namespace, text, token_ids, content, calls)
-        return content, calls
+        turn = self.agents.remember(self.namespace, text, token_ids, content, calls)
+        return Reply(content, calls, turn)
 
     def delta(self, index: int, text: str, token_ids: Sequence[int]) -> ParseDelta:
-        """What a streamed increment adds to choice `index`: content and call deltas."""
+        """What a streamed increment adds to choice `index`: content and whole calls."""
         choice = self._choice(index)
         choice.text.append(text)
         choice.token_ids.extend(token_ids)
@@ -160,21 +170,19 @@ class ChatOutputs:
         choice.content.append(out.content)
         return out
 
-    def finish(self, index: int) -> tuple[ParseDelta, bool]:
-        """The held-back rest of choice `index` and whether it made tool calls; remembers it."""
+    def finish(self, index: int, reason: str | None = "stop") -> tuple[ParseDelta, Reply]:
+        """The held-back rest of choice `index`, and the message it makes; remembers it."""
         choice = self._choice(index)
-        out = choice.parser.finish() if self.plan.parse_calls else ParseDelta()
+        cut = reason == "length"
+        out = choice.parser.finish(cut) if self.plan.parse_calls else ParseDelta()
         choice.content.append(out.content)
         calls = choice.parser.calls
-        content = "".join(choice.content)
-        self.agents.remember(
-            self.namespace,
-            "".join(choice.text),
-            choice.token_ids,
-            content if content or not calls else None,
-            calls,
+        joined = "".join(choice.content)
+        content = joined if joined or not calls else None
+        turn = self.agents.remember(
+            self.namespace, "".join(choice.text), choice.token_ids, content, calls
         )
-        return out, bool(calls)
+        return out, Reply(content, calls, turn)
 
     def _choice(self, index: int) -> _Choice:
         if index not in self._choices:
@@ -183,17 +191,15 @@ class ChatOutputs:
 
 
 def finish_reason(reason: str | None, made_calls: bool) -> str | None:
-    """OpenAI's finish_reason: "tool_calls" when an output that ended normally made calls."""
-    return "tool_calls" if made_calls and reason in ("stop", "length") else reason
+    """OpenAI's finish_reason: "tool_calls" when an output that stopped by itself made calls;
+    an output cut by max_tokens is "length", calls or not."""
+    return "tool_calls" if made_calls and reason == "stop" else reason
 
 
 def call_deltas(delta: ParseDelta) -> list[dict[str, Any]]:
-    """A parse delta's calls as OpenAI stream deltas: id, type and name first, then fragments."""
-    out: list[dict[str, Any]] = []
-    for call in delta.calls:
-        if call.name is not None:
-            out.append({"index": call.index, "id": call.id, "type": "function",
-                        "function": {"name": call.name, "arguments": call.arguments}})  # fmt: skip
-        else:
-            out.append({"index": call.index, "function": {"arguments": call.arguments}})
-    return out
+    """A parse delta's calls as OpenAI stream deltas, each whole: index, id, type, function."""
+    return [
+        {"index": c.index, "id": c.id, "type": "function",
+         "function": {"name": c.name, "arguments": c.arguments}}
+        for c in delta.calls
+    ]  # fmt: skip

@@ -19,8 +19,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from radixlm.agents.tools import ToolSpec, canonical_json
-from radixlm.tokenizer import flatten_content
+from radixlm.agents.tools import NAME, ToolSpec, canonical_json
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -64,13 +63,17 @@ def template_renders_tools(hf_tokenizer: Any) -> bool:
     return _PROBE_TOOL in str(text)
 
 
-def check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Validate an OpenAI conversation: every content flattened to a string (None only for an
-    assistant message with tool calls), each tool call as {"id", "name", "arguments"}.
+def check_messages(messages: object) -> list[dict[str, Any]]:
+    """Validate an OpenAI conversation, the one check every way to a prompt runs: every content
+    flattened to a string (None only for an assistant message with tool calls), each tool call
+    as {"id", "name", "arguments"}; `developer` is a system message; `name` kept when valid.
 
-    Raises ValueError naming the message and field: an unknown role, a missing content, a tool
-    message whose tool_call_id no earlier assistant call has, a malformed tool call.
+    Raises ValueError naming the message and field: not a list, an unknown role, a missing
+    content, a bad name, a tool message whose tool_call_id no earlier assistant call has, a
+    malformed tool call.
     """
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
+        raise ValueError("messages must be a list of {'role': ..., 'content': ...} objects")
     checked = [_check_message(i, m) for i, m in enumerate(messages)]
     if not checked:
         raise ValueError("messages must not be empty")
@@ -122,9 +125,30 @@ def _check_message(i: int, message: object) -> dict[str, Any]:
         if not isinstance(call_id, str) or not call_id:
             raise ValueError(f"{where}.tool_call_id is missing")
         out["tool_call_id"] = call_id
-    if isinstance(message.get("name"), str):
-        out["name"] = message["name"]
+    name = message.get("name")
+    if name is not None:
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise ValueError(f"{where}.name must be 1-64 characters of a-z, A-Z, 0-9, _ and -")
+        out["name"] = name
     return out
+
+
+def flatten_content(where: str, content: object) -> str:
+    """A message's content as one string: a string as it is, a list of text parts joined by
+    newlines; anything else is a ValueError naming `where`."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where}.content must be a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, Mapping) or part.get("type") != "text":
+            raise ValueError(f"{where}.content[{j}] must be a text part {{'type': 'text', ...}}")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ValueError(f"{where}.content[{j}].text must be a string")
+        texts.append(text)
+    return "\n".join(texts)
 
 
 def _check_call(where: str, call: object) -> dict[str, str]:

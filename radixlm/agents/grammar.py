@@ -28,11 +28,23 @@ import numpy as np
 import torch
 
 from radixlm.agents.chat_format import CALL_SEPARATOR, CALL_SUFFIX, call_prefix
+from radixlm.agents.schemas import check_ref_loops, closed_schema
 from radixlm.agents.tools import ToolChoice, ToolSpec
 from radixlm.tokenizer import Tokenizer
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CACHED_GRAMMARS = 64  # agents resend the same tools every step: compile them once
+
+
+class TextFormat(NamedTuple):
+    """A response format as a grammar takes it: JSON under `schema`."""
+
+    schema: Mapping[str, Any]
+    strict: bool
+    name: str  # for messages: "json_schema 'weather'"
+
+
+JSON_OBJECT = TextFormat({"type": "object"}, strict=False, name="json_object")
 
 
 class GrammarError(RuntimeError):
@@ -80,9 +92,20 @@ class Constraint:
     description: str  # what it constrains, for messages ("json_schema 'weather'")
     grammar: str  # llguidance's grammar text
     prototype: llguidance.LLMatcher  # at the start state; only ever copied
+    first_tokens: np.ndarray  # (K,) int64: the ids the grammar allows first, ascending
 
     def new_matcher(self) -> GrammarMatcher:
         return GrammarMatcher(self.prototype.deep_copy())
+
+    def check_first_token(self, banned: frozenset[int]) -> None:
+        """ValueError when every token the grammar allows first is in `banned` (what min_tokens
+        holds back: end-of-sequence and stop ids), so no first token could be sampled."""
+        if banned and bool(np.isin(self.first_tokens, list(banned)).all()):
+            raise ValueError(
+                f"{self.description} must start with an end-of-sequence or stop token, which "
+                "min_tokens bans: no output could begin; lower min_tokens or change "
+                "stop_token_ids"
+            )
 
 
 class GrammarCompiler:
@@ -99,17 +122,19 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     def json_object(self) -> Constraint:
-        return self.json_schema({"type": "object"}, strict=False, name="json_object")
+        return self.json_schema(JSON_OBJECT.schema, strict=False, name=JSON_OBJECT.name)
 
     def json_schema(
         self, schema: Mapping[str, Any], strict: bool, name: str = "json_schema"
     ) -> Constraint:
-        """Any JSON the schema accepts. strict: unsupported keywords are errors (OpenAI's strict
-        guarantees the schema); otherwise they are ignored, a best-effort constraint."""
+        """Any JSON the schema accepts, its objects closed (`closed_schema`). strict: unsupported
+        keywords are errors (OpenAI's strict guarantees the schema); otherwise they are ignored,
+        a best-effort constraint."""
+        check_ref_loops(schema, name)
         options = {**JSON_STYLE, "lenient": not strict}
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                dict(schema),
+                closed_schema(schema),
                 overrides=options,  # type: ignore[arg-type]
             )
         except ValueError as exc:
@@ -117,38 +142,62 @@ class GrammarCompiler:
         return self.compile(grammar, name)
 
     def tool_calls(
-        self, tools: Sequence[ToolSpec], choice: ToolChoice, parallel: bool
+        self,
+        tools: Sequence[ToolSpec],
+        choice: ToolChoice,
+        parallel: bool,
+        text_format: TextFormat | None = None,
     ) -> Constraint | None:
-        """The grammar of the built-in call format, or None when output is unconstrained.
+        """The grammar of a chat output, or None when it is unconstrained.
 
-        required: one call (or several with `parallel`) to any tool; named: calls to that tool;
-        auto: free text or calls, constrained only when some tool is strict. A non-strict tool's
-        schema constrains leniently.
+        The output is text (free, or `text_format`'s JSON) or calls in the built-in format:
+
+            none      text; with tools given, text that never opens a call
+            auto      text or calls; unconstrained unless a tool is strict, the choice narrows
+                      the tools (allowed_tools) or a text format is asked for
+            required  one call (or several with `parallel`) to a tool the choice allows
+            named     calls to that tool
+
+        Every call's arguments follow its tool's schema closed (`closed_schema`): only the
+        declared properties, each once, in their order.
         """
         if choice.mode == "none" or not tools:
+            if text_format is not None:
+                return self.json_schema(text_format.schema, text_format.strict, text_format.name)
+            return self._lark(["start: TEXT?"], "tools (none)") if tools else None
+        narrowed = choice.allowed is not None and len(choice.allowed) < len(tools)
+        strict = any(t.strict for t in tools)
+        if choice.mode == "auto" and text_format is None and not narrowed and not strict:
             return None
-        if choice.mode == "auto" and not any(t.strict for t in tools):
-            return None
-        chosen = [t for t in tools if choice.mode != "named" or t.name == choice.name]
-        rules = [f"call_{i}: {_call_rule(t)}" for i, t in enumerate(chosen)]
+        chosen = choice.callable(tools)
         calls = "call (" + json.dumps(CALL_SEPARATOR) + " call)*" if parallel else "call"
-        start = f"TEXT | {calls}" if choice.mode == "auto" else calls
-        lark = "\n".join(
-            [
-                f"start: {start}",
-                "call: " + " | ".join(f"call_{i}" for i in range(len(chosen))),
-                *rules,
-                # free text under auto: anything that does not open a call
-                r"TEXT: /(?s:.+)/ & ~/(?s:.*<tool_call>.*)/",
-            ]
-        )
-        return self.compile(llguidance.LLMatcher.grammar_from_lark(lark), f"tools ({choice.mode})")
+        lines = [
+            "call: " + " | ".join(f"call_{i}" for i in range(len(chosen))),
+            *(f"call_{i}: {_call_rule(t)}" for i, t in enumerate(chosen)),
+        ]
+        if choice.mode != "auto":
+            lines.insert(0, f"start: {calls}")
+        elif text_format is None:
+            lines.insert(0, f"start: TEXT | {calls}")
+        else:  # the text branch is the response format's JSON
+            lines += [f"start: format | {calls}", f"format: {self._format_rule(text_format)}"]
+        return self._lark(lines, f"tools ({choice.mode})")
 
     def check_tools(self, tools: Sequence[ToolSpec]) -> None:
         """Compile every tool's parameters schema alone, so a malformed one is a 400 naming its
         tool even when no grammar would use it."""
         for tool in tools:
             self.json_schema(tool.parameters, tool.strict, f"tool {tool.name!r} parameters")
+
+    def _format_rule(self, text_format: TextFormat) -> str:
+        check_ref_loops(text_format.schema, text_format.name)
+        schema = {**closed_schema(text_format.schema), "x-guidance": _style(not text_format.strict)}
+        return "%json " + json.dumps(schema)
+
+    def _lark(self, lines: list[str], description: str) -> Constraint:
+        # free text: anything that does not open a call
+        lark = "\n".join([*lines, r"TEXT: /(?s:.+)/ & ~/(?s:.*<tool_call>.*)/"])
+        return self.compile(llguidance.LLMatcher.grammar_from_lark(lark), description)
 
     def compile(self, grammar: str, description: str) -> Constraint:
         """Validate and build `grammar` (cached). Raises ValueError with llguidance's reason."""
@@ -161,9 +210,12 @@ class GrammarCompiler:
         if error:
             raise ValueError(f"{description} cannot be compiled: {error.strip()}")
         matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        first = _first_tokens(matcher, self.vocab_size)
         if matcher.is_error():
             raise ValueError(f"{description} cannot be compiled: {matcher.get_error().strip()}")
-        constraint = Constraint(description, grammar, matcher)
+        if len(first) == 0:  # e.g. a $ref that resolves to itself: no document matches it
+            raise ValueError(f"{description} cannot be compiled: it accepts no output at all")
+        constraint = Constraint(description, grammar, matcher, first)
         with self._lock:
             self._cache[grammar] = constraint
             while len(self._cache) > _CACHED_GRAMMARS:
@@ -202,9 +254,24 @@ def apply_token_masks(
     return MaskedScores(scores, failed)
 
 
+def _first_tokens(prototype: llguidance.LLMatcher, vocab_size: int) -> np.ndarray:
+    """The ids a matcher at its start state allows (computed on a copy: the prototype stays
+    untouched); empty when the grammar cannot start."""
+    matcher = prototype.deep_copy()
+    mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+    if matcher.is_error():  # some grammars fail only once a mask is asked for
+        return np.zeros(0, dtype=np.int64)
+    bits = np.unpackbits(mask, bitorder="little")  # bit b of byte k: token 8 k + b
+    return np.flatnonzero(bits[:vocab_size]).astype(np.int64)
+
+
 def _call_rule(tool: ToolSpec) -> str:
-    """One tool's call in the built-in format, its arguments under the tool's schema."""
-    schema = {**tool.parameters, "x-guidance": {**JSON_STYLE, "lenient": not tool.strict}}
+    """One tool's call in the built-in format, its arguments under the tool's closed schema."""
+    schema = {**closed_schema(tool.parameters), "x-guidance": _style(not tool.strict)}
     return " ".join(
         [json.dumps(call_prefix(tool.name)), "%json " + json.dumps(schema), json.dumps(CALL_SUFFIX)]
     )
+
+
+def _style(lenient: bool) -> dict[str, Any]:
+    return {**JSON_STYLE, "lenient": lenient}

@@ -1,12 +1,10 @@
-"""Prompt token ids for a chat in which earlier assistant turns are the ids the model generated.
+"""Chat messages to prompt token ids: the one renderer. The server (chat completions and the
+Responses API), the offline `LLM`, `radixlm chat` and `radixlm generate` all go through
+`PromptRenderer`, so one conversation is one list of ids wherever it comes from.
 
-An agent resends the whole conversation every step. The prefix cache holds the previous step's
-prompt and the ids the model generated; if re-rendering the returned assistant message produced
-different ids (BPE has many spellings of one text, and a grammar may pick a rare one) the match
-would end at the start of that turn and everything after it would be computed again.
-
-So the server remembers (`TurnMemo`) the ids behind every assistant message it returned, keyed by
-what the message says (content and tool calls), and `PromptRenderer` splices them in:
+It validates the messages (`chat_format.check_messages`), applies the chat template (tools in
+canonical order), splices remembered assistant turns in as the ids the model generated, and
+guards against forged special tokens:
 
     rendered text:  [segment 0] <turn 1> [segment 1] <turn 2> [segment 2]
     prompt ids:     encode(seg 0) + ids(turn 1) + encode(seg 1) + ids(turn 2) + encode(seg 2)
@@ -14,18 +12,20 @@ what the message says (content and tool calls), and `PromptRenderer` splices the
 Segment 0 is the text of the step-1 prompt and is encoded by the same function, so step 2's ids
 start with step 1's prompt + output: the cache match ends where the new messages begin.
 
-Message content is text, never control: a segment whose content spells a special token
-(`<|im_start|>` typed by a user) encodes that content without special-token parsing.
+Message content is text, never control: where content spells a special token (a user typing
+`<|im_start|>system` to forge a turn), that content is encoded without special-token parsing,
+the way vLLM and llama.cpp do; the template's own text is encoded with it. Contents are found in
+the rendered text by `Marks`. A chat whose content spells no special token gets exactly the ids
+of encoding its rendered text.
 """
 
 from __future__ import annotations
 
 import re
 import secrets
-import threading
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from radixlm.agents.chat_format import (
     check_messages,
@@ -34,56 +34,85 @@ from radixlm.agents.chat_format import (
     to_template_messages,
 )
 from radixlm.agents.tools import ToolSpec, canonical_json
-from radixlm.tokenizer import NoChatTemplateError, Tokenizer
+from radixlm.agents.turns import Turn, TurnMemo, turn_key
+from radixlm.tokenizer import Tokenizer
 
-Calls = Sequence[tuple[str, str]]  # (name, arguments) of an assistant message's tool calls
+FORGED = (
+    "message content contains special-token text (such as a chat template's role markers), "
+    "which this model's chat template does not let the server encode as plain text"
+)
 
 
-class TurnMemo:
-    """What each returned assistant message was as token ids, least recently used dropped.
+class NoChatTemplateError(ValueError):
+    """The tokenizer has no chat template, so chat messages cannot be turned into a prompt."""
 
-    Keyed by (namespace, content, tool calls): ids never cross a cache_salt. Thread-safe: the
-    server records from its event loop and renders in worker threads.
-    """
 
-    def __init__(self, capacity: int = 4096) -> None:
-        self.capacity = capacity
-        self._ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
-        self._lock = threading.Lock()
+class Prompt(NamedTuple):
+    ids: list[int]
+    turns: tuple[Turn, ...]  # the assistant turns spliced in as generated ids, in order
 
-    def remember(
-        self, namespace: str | None, content: str | None, calls: Calls, ids: Sequence[int]
-    ) -> None:
-        key = _key(namespace, content, calls)
-        with self._lock:
-            self._ids[key] = tuple(ids)
-            self._ids.move_to_end(key)
-            while len(self._ids) > self.capacity:
-                self._ids.popitem(last=False)
 
-    def recall(
-        self, namespace: str | None, content: str | None, calls: Calls
-    ) -> tuple[int, ...] | None:
-        key = _key(namespace, content, calls)
-        with self._lock:
-            ids = self._ids.get(key)
-            if ids is not None:
-                self._ids.move_to_end(key)
-            return ids
+class Span(NamedTuple):
+    label: str  # what the marks were labelled with (a message number, or "")
+    start: int  # character offsets in the unmarked text, [start, end)
+    end: int
 
-    def __len__(self) -> int:
-        return len(self._ids)
+
+@dataclass(frozen=True)
+class Marks:
+    """Unguessable markers around message contents in a rendering (private-use characters around
+    a fresh nonce), so that where each content lies in the rendered text is known. Only a
+    content's core is marked: its edge whitespace stays outside, where a template's trim finds
+    it."""
+
+    nonce: str = field(default_factory=lambda: secrets.token_hex(8))
+
+    def wrap(self, content: str, label: str = "") -> str:
+        core = content.strip()
+        if not core:
+            return content
+        lead = content[: len(content) - len(content.lstrip())]
+        trail = content[len(content.rstrip()) :]
+        return f"{lead}\ue000{self.nonce}{label}\ue001{core}\ue002{self.nonce}\ue003{trail}"
+
+    def unmark(self, marked: str) -> tuple[str, list[Span] | None]:
+        """The text without marks and the spans they delimited; None for the spans when the
+        template dropped or doubled a mark (it transforms content: positions are unknown)."""
+        spans: list[Span] = []
+        out: list[str] = []
+        length, pos = 0, 0
+        opened: tuple[str, int] | None = None
+        balanced = True
+        for match in self._pattern.finditer(marked):
+            out.append(marked[pos : match.start()])
+            length += match.start() - pos
+            pos = match.end()
+            is_open = match.group(1) is not None
+            if is_open != (opened is None):
+                balanced = False
+            elif opened is None:
+                opened = (match.group(1), length)
+            else:
+                spans.append(Span(opened[0], opened[1], length))
+                opened = None
+        out.append(marked[pos:])
+        return "".join(out), spans if balanced and opened is None else None
+
+    @property
+    def _pattern(self) -> re.Pattern[str]:
+        nonce = re.escape(self.nonce)
+        return re.compile(f"\ue000{nonce}([^\ue001]*)\ue001|\ue002{nonce}\ue003")
 
 
 class PromptRenderer:
-    """Chat messages (+ tools) -> prompt ids, splicing remembered assistant turns."""
+    """Chat messages (+ tools) -> prompt ids, splicing remembered assistant turns when it has a
+    memo. Immutable but for the memo (thread-safe): share one per server."""
 
     def __init__(self, tokenizer: Tokenizer, memo: TurnMemo | None = None) -> None:
         self.tokenizer = tokenizer
         self.memo = memo
         hf = tokenizer.hf_tokenizer
         self.native_tools = template_renders_tools(hf)
-        self._special = _special_ids(hf)
         self._backend: Any = getattr(hf, "backend_tokenizer", None)
         self._plain: Any = None  # the same tokenizer with special-token parsing off
         if self._backend is not None:
@@ -103,51 +132,75 @@ class PromptRenderer:
         tools: Sequence[ToolSpec] = (),
         namespace: str | None = None,
     ) -> list[int]:
-        """Token ids of the prompt. Raises ValueError for invalid messages and
-        NoChatTemplateError when the tokenizer has no template."""
+        """Token ids of the prompt (see `prompt`)."""
+        return self.prompt(messages, tools, namespace).ids
+
+    def prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[ToolSpec] = (),
+        namespace: str | None = None,
+        known: Sequence[Turn] = (),
+    ) -> Prompt:
+        """The prompt's ids and the turns spliced into them: an assistant message is its ids
+        from `known` (a stored conversation's own turns) or else the memo, in `namespace`.
+        Raises ValueError for invalid messages (NoChatTemplateError without a template)."""
         checked = check_messages(messages)
         conversation = to_template_messages(checked, tools, self.native_tools)
-        nonce = secrets.token_hex(8)
-        open_mark, close_mark, turn_mark = (f"\ue000{nonce}{c}" for c in "\ue001\ue002\ue003")
-        turns = self._remembered_turns(checked, namespace)
+        if self.native_tools:  # the template writes tools and calls outside any content
+            self._refuse_forged(_outside_content(checked, tools))
+        turns = self._spliced_turns(checked, namespace, known)
+        marks = Marks()
+        placeholder = f"\ue004{marks.nonce}"
         marked = []
+        num_marked = 0
         assistant = 0
         for m in conversation:
             m = dict(m)
-            if m["role"] == "assistant":
-                if assistant in turns:  # its ids are known: render a placeholder
-                    m["content"] = f"{turn_mark}{assistant}{turn_mark}"
-                    m.pop("tool_calls", None)
-                else:
-                    m["content"] = _wrap(m["content"], open_mark, close_mark)
-                assistant += 1
+            if m["role"] == "assistant" and assistant in turns:  # known ids: a placeholder
+                m["content"] = f"{placeholder}{assistant}{placeholder}"
+                m.pop("tool_calls", None)
             else:
-                m["content"] = _wrap(m["content"], open_mark, close_mark)
+                num_marked += bool(m["content"].strip())
+                m["content"] = marks.wrap(m["content"])
+            assistant += m["role"] == "assistant"
             marked.append(m)
-        turn_pattern = f"{re.escape(turn_mark)}(\\d+){re.escape(turn_mark)}"
-        pieces = re.split(turn_pattern, self._template(marked, tools))
+        rendered = self._template(marked, tools)
+        pattern = f"{re.escape(placeholder)}(\\d+){re.escape(placeholder)}"
+        pieces = re.split(pattern, rendered)
+        segments = [marks.unmark(piece) for piece in pieces[::2]]
+        found = [spans for _, spans in segments if spans is not None]
+        complete = len(found) == len(segments) and sum(map(len, found)) == num_marked
+        if len(pieces) != 2 * len(turns) + 1 or not complete:
+            # The template transforms content: positions are unknown, so nothing is spliced,
+            # and content that would forge a special token is refused.
+            self._refuse_forged([m["content"] for m in conversation])
+            return Prompt(self._encode(self._template(conversation, tools)), ())
         ids: list[int] = []
         for j, piece in enumerate(pieces):
             if j % 2:
-                ids += turns[int(piece)]
+                ids += turns[int(piece)].ids
             else:
-                ids += self._encode_segment(piece, open_mark, close_mark)
-        return ids
+                text, spans = segments[j // 2]
+                ids += self._encode_segment(text, spans or [])
+        return Prompt(ids, tuple(turns[i] for i in sorted(turns)))
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _remembered_turns(
-        self, checked: list[dict[str, Any]], namespace: str | None
-    ) -> dict[int, tuple[int, ...]]:
-        """assistant message number -> remembered ids, for the assistant turns the memo has."""
-        turns: dict[int, tuple[int, ...]] = {}
-        if self.memo is None:
-            return turns
+    def _spliced_turns(
+        self, checked: list[dict[str, Any]], namespace: str | None, known: Sequence[Turn]
+    ) -> dict[int, Turn]:
+        """assistant message number -> the turn whose ids render it, where one is known."""
+        by_key = {turn.key: turn for turn in known}
+        turns: dict[int, Turn] = {}
         assistants = [m for m in checked if m["role"] == "assistant"]
         for i, m in enumerate(assistants):
-            calls = [(c["name"], c["arguments"]) for c in m.get("tool_calls", ())]
-            ids = self.memo.recall(namespace, m["content"], calls)
-            if ids is not None:
-                turns[i] = ids
+            calls = tuple((c["name"], c["arguments"]) for c in m.get("tool_calls", ()))
+            turn = by_key.get(turn_key(m["content"], calls))
+            if turn is None and self.memo is not None:
+                ids = self.memo.recall(namespace, m["content"], calls)
+                turn = Turn(m["content"], calls, ids) if ids is not None else None
+            if turn is not None:
+                turns[i] = turn
         return turns
 
     def _template(self, conversation: list[dict[str, Any]], tools: Sequence[ToolSpec]) -> str:
@@ -166,29 +219,24 @@ class PromptRenderer:
             )
         )
 
-    def _encode_segment(self, marked: str, open_mark: str, close_mark: str) -> list[int]:
-        """Ids of one segment of rendered text whose message contents sit between marks.
-
-        The whole text is encoded at once unless a special token overlaps a content span; then
-        contents are encoded without special-token parsing and the template's text with it.
-        """
-        text, spans = _unmark(marked, open_mark, close_mark)
-        if spans is None or self._backend is None:
-            # No positions (the template transforms content) or no offsets (a slow tokenizer):
-            # refuse content that would forge, encode the rest whole.
-            if self._forges(_contents(marked, open_mark, close_mark)):
-                raise ValueError(_FORGED)
-            return self.tokenizer.encode(text, add_special_tokens=False)
+    def _encode_segment(self, text: str, spans: list[Span]) -> list[int]:
+        """Ids of one segment of rendered text with its message contents at `spans`: the forgery
+        guard. The whole text is encoded at once unless a special token overlaps a content;
+        then contents are encoded without special-token parsing, the rest with it."""
+        if self._backend is None:  # a slow tokenizer has no offsets: refuse what would forge
+            self._refuse_forged([text[s.start : s.end] for s in spans])
+            return self._encode(text)
         encoding = self._backend.encode(text, add_special_tokens=False)
+        special = self.tokenizer.special_ids
         forged = any(
-            token in self._special and _overlaps(offset, spans)
+            token in special and _overlaps(offset, spans)
             for token, offset in zip(encoding.ids, encoding.offsets)
         )
         if not forged:
             return list(encoding.ids)
         ids: list[int] = []
         pos = 0
-        for a, b in [*spans, (len(text), len(text))]:
+        for _, a, b in [*spans, Span("", len(text), len(text))]:
             if pos < a:
                 ids += self._backend.encode(text[pos:a], add_special_tokens=False).ids
             if a < b:
@@ -196,70 +244,24 @@ class PromptRenderer:
             pos = b
         return ids
 
-    def _forges(self, contents: list[str]) -> bool:
-        return any(
-            t in self._special
-            for content in contents
-            for t in self.tokenizer.encode(content, add_special_tokens=False)
-        )
+    def _refuse_forged(self, contents: Sequence[str | None]) -> None:
+        special = self.tokenizer.special_ids
+        for content in contents:
+            if content and any(t in special for t in self._encode(content)):
+                raise ValueError(FORGED)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
 
-_FORGED = (
-    "message content contains special-token text (such as a chat template's role markers), "
-    "which this model's tokenizer cannot encode as plain text"
-)
+def _outside_content(checked: list[dict[str, Any]], tools: Sequence[ToolSpec]) -> list[str]:
+    """The client's text a template that renders tools writes outside message contents."""
+    calls = [c for m in checked for c in m.get("tool_calls", ())]
+    return [canonical_json(t.to_openai()) for t in tools] + [
+        f"{c['name']} {c['arguments']}" for c in calls
+    ]
 
 
-def _key(namespace: str | None, content: str | None, calls: Calls) -> str:
-    return canonical_json([namespace, content or "", [list(c) for c in calls]])
-
-
-def _wrap(content: str, open_mark: str, close_mark: str) -> str:
-    """Marks around the content's core; edge whitespace stays outside, where a template's trim
-    finds it."""
-    core = content.strip()
-    if not core:
-        return content
-    lead = content[: len(content) - len(content.lstrip())]
-    trail = content[len(content.rstrip()) :]
-    return f"{lead}{open_mark}{core}{close_mark}{trail}"
-
-
-def _unmark(
-    marked: str, open_mark: str, close_mark: str
-) -> tuple[str, list[tuple[int, int]] | None]:
-    """The text without marks and the content spans they delimited; None for the spans when the
-    template dropped or doubled a mark (it transforms content: positions cannot be trusted)."""
-    spans: list[tuple[int, int]] = []
-    out: list[str] = []
-    length, opened, pos = 0, None, 0
-    for match in re.finditer(f"{re.escape(open_mark)}|{re.escape(close_mark)}", marked):
-        out.append(marked[pos : match.start()])
-        length += match.start() - pos
-        pos = match.end()
-        if (match.group() == open_mark) != (opened is None):
-            return "".join(out) + marked[pos:].replace(open_mark, "").replace(close_mark, ""), None
-        if opened is None:
-            opened = length
-        else:
-            spans.append((opened, length))
-            opened = None
-    out.append(marked[pos:])
-    return "".join(out), None if opened is not None else spans
-
-
-def _contents(marked: str, open_mark: str, close_mark: str) -> list[str]:
-    """Whatever lies between an open mark and the next close mark (best effort)."""
-    pattern = f"{re.escape(open_mark)}(.*?){re.escape(close_mark)}"
-    return re.findall(pattern, marked, flags=re.DOTALL)
-
-
-def _overlaps(offset: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
+def _overlaps(offset: tuple[int, int], spans: list[Span]) -> bool:
     start, end = offset
-    return any(start < b and a < end for a, b in spans)
-
-
-def _special_ids(hf: Any) -> frozenset[int]:
-    ids = {int(i) for i, t in hf.added_tokens_decoder.items() if t.special}
-    ids.update(int(i) for i in hf.all_special_ids)
-    return frozenset(ids)
+    return any(start < span.end and span.start < end for span in spans)

@@ -5,16 +5,19 @@ The built-in format (see `chat_format`) is
     <free text> <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call> <more calls>
 
 `ToolCallParser` is one state machine for both uses, so a stream's deltas reassemble into exactly
-the calls the whole-text parser finds, however the text was cut into deltas:
+the content and calls the whole-text parser finds, however the text was cut into deltas:
 
     text ──<tool_call>──► header ──"arguments":──► arguments ──balanced──► close ──► text
                              │ (no header)            (JSON braces counted,        │
                              └─► back to text as       strings skipped)            └ bad: skip
 
-Rules: whitespace next to a call is not content; text that only might start a tag is held back
-until it is decided; arguments stream as they arrive, verbatim. A block that is not a call stays
-text. The streaming parser cannot take back a call whose name it already sent, so it keeps a call
-whose arguments turn out to be malformed; the whole-text parser turns such a call back into text.
+Rules: whitespace next to a call is not content (next to a block that is not a call, it is);
+text that only might start a tag is held back until it is decided, and so is a call until it is
+closed: a call is sent whole (id, name and arguments in one delta) once its closing tag arrives,
+so a client never receives a call that is then cut off or malformed. A block that is not a call
+is text. When the text ends (`finish`), a call whose arguments are complete but whose closing
+tag never came is a call if the output stopped by itself, and text if it was cut (max_tokens):
+an unclosed call is never emitted.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ class ToolCall:
     name: str
     arguments: str = ""  # the arguments' JSON text, verbatim
     raw: str = ""  # the call's whole text, from <tool_call> on
-    complete: bool = False  # arguments balanced and the block closed (or the text ended)
+    complete: bool = False  # arguments balanced and the block closed (or the output stopped)
 
     def to_openai(self) -> dict[str, object]:
         return {
@@ -52,12 +55,12 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class CallDelta:
-    """A streamed increment of call `index`: its first one carries id and name."""
+    """Call `index` of a stream, sent whole once it is complete."""
 
     index: int
     arguments: str
-    id: str | None = None
-    name: str | None = None
+    id: str
+    name: str
 
 
 @dataclass
@@ -72,33 +75,24 @@ class ParsedOutput:
     tool_calls: list[ToolCall]
 
 
-def parse_tool_calls(text: str) -> ParsedOutput:
-    """The calls in a whole output and the text around them. A call whose arguments are not a
-    JSON object, or whose block is cut off inside the arguments, stays text."""
+def parse_tool_calls(text: str, cut: bool = False) -> ParsedOutput:
+    """The calls in a whole output and the text around them; `cut`: the output was cut off
+    (max_tokens), so a call without its closing tag stays text."""
     parser = ToolCallParser()
-    parser.feed(text)
-    parser.finish()
-    content: list[str] = []
-    calls: list[ToolCall] = []
-    for segment in parser.segments:
-        if isinstance(segment, str):
-            content.append(segment)
-        elif _valid(parser.calls[segment]):
-            calls.append(parser.calls[segment])
-        else:
-            content.append(parser.calls[segment].raw)
-    joined = "".join(content)
-    return ParsedOutput(joined if joined or not calls else None, calls)
+    first, rest = parser.feed(text), parser.finish(cut)
+    content = first.content + rest.content
+    return ParsedOutput(content if content or not parser.calls else None, parser.calls)
 
 
 class ToolCallParser:
     """The state machine of the module docstring. `feed` returns what is decided so far."""
 
     def __init__(self) -> None:
-        self.calls: list[ToolCall] = []
-        self.segments: list[str | int] = []  # content text and call indices, in order
+        self.calls: list[ToolCall] = []  # the calls sent, in order (their index is their place)
+        self._call: ToolCall | None = None  # the call being read
         self._state = "text"
         self._buf = ""  # text received but not yet decided
+        self._lead = ""  # whitespace before the tag being read: text unless a call follows
         self._after_call = False  # whitespace right after a call is dropped
         self._depth, self._in_string, self._escape = 0, False, False
 
@@ -108,10 +102,14 @@ class ToolCallParser:
         self._run(out, final=False)
         return out
 
-    def finish(self) -> ParseDelta:
-        """Decide whatever is held back: the text has ended."""
+    def finish(self, cut: bool = False) -> ParseDelta:
+        """Decide whatever is held back: the text has ended (`cut`: by max_tokens)."""
         out = ParseDelta()
         self._run(out, final=True)
+        call = self._call
+        if call is not None:  # the text ended inside a call
+            rest, self._buf = self._buf, ""
+            self._end_call(out, call.raw + rest, complete=self._state == "close" and not cut)
         return out
 
     # ---- states -----------------------------------------------------------------------------
@@ -129,18 +127,20 @@ class ToolCallParser:
             self._after_call = False
         at = self._buf.find(CALL_OPEN)
         if at >= 0:
-            self._emit(out, self._buf[:at].rstrip())
+            before = self._buf[:at]
+            out.content += before.rstrip()
+            self._lead = before[len(before.rstrip()) :]
             self._buf = self._buf[at + len(CALL_OPEN) :]
             self._state = "header"
             return True
         if final:
-            self._emit(out, self._buf)
+            out.content += self._buf
             self._buf = ""
             return False
         held = _partial_tag(self._buf)  # a suffix that may grow into <tool_call>
         ready = self._buf[: len(self._buf) - held]
         decided = ready.rstrip()  # trailing whitespace waits: a call may follow it
-        self._emit(out, decided)
+        out.content += decided
         self._buf = self._buf[len(decided) :]
         return False
 
@@ -148,79 +148,73 @@ class ToolCallParser:
         match = _HEADER.match(self._buf)
         if match:
             name = json.loads(f'"{match.group(1)}"')
-            call = ToolCall(new_call_id(), name, raw=CALL_OPEN + self._buf[: match.end()])
-            self.segments.append(len(self.calls))
-            self.calls.append(call)
-            out.calls.append(CallDelta(len(self.calls) - 1, "", call.id, name))
+            self._call = ToolCall(new_call_id(), name, raw=CALL_OPEN + self._buf[: match.end()])
             self._buf = self._buf[match.end() :]
             self._state = "arguments"
             self._depth, self._in_string, self._escape = 0, False, False
             return True
         if final or CALL_CLOSE in self._buf or len(self._buf) > _MAX_HEADER:
-            self._emit(out, CALL_OPEN)  # not a call: the tag is text, scanning goes on after it
-            self._state = "text"
+            out.content += self._lead + CALL_OPEN  # not a call: the tag is text, scanning
+            self._state = "text"  # goes on after it
             return True
         return False
 
     def _arguments(self, out: ParseDelta, final: bool) -> bool:
-        call = self.calls[-1]
+        call = self._call
+        assert call is not None
         taken, done = self._scan_json(self._buf)
-        lead = len(taken) - len(taken.lstrip()) if not call.arguments else 0
-        fragment = taken[lead:]
         call.raw += taken
-        if fragment:
-            call.arguments += fragment
-            out.calls.append(CallDelta(len(self.calls) - 1, fragment))
+        call.arguments += taken if call.arguments else taken.lstrip()
         self._buf = self._buf[len(taken) :]
         if done:
             self._state = "close"
             return True
-        if self._buf:  # the arguments do not start with "{": not a call we can stream
+        if self._buf:  # the arguments do not start with "{": not a call
             self._state = "skip"
             return True
         return False
 
     def _close(self, out: ParseDelta, final: bool) -> bool:
-        call = self.calls[-1]
+        call = self._call
+        assert call is not None
         rest = self._buf.lstrip()
         after = rest[1:].lstrip() if rest.startswith("}") else None
         if after is not None and after.startswith(CALL_CLOSE):
             end = len(self._buf) - len(after) + len(CALL_CLOSE)
-            call.raw += self._buf[:end]
-            call.complete = True
+            self._end_call(out, call.raw + self._buf[:end], complete=True)
             self._buf = self._buf[end:]
-            self._state, self._after_call = "text", True
             return True
         if rest and (after is None or not CALL_CLOSE.startswith(after)):
             self._state = "skip"
             return True
-        if final:  # the text ended inside a well-formed call (no closing tag): keep it
-            call.raw += self._buf
-            call.complete = True
-            self._buf = ""
-            self._state = "text"
-        return False
+        return False  # the closing tag may still come (finish decides if it never does)
 
     def _skip(self, out: ParseDelta, final: bool) -> bool:
-        """A malformed call: its text up to the closing tag belongs to it."""
+        """A malformed call: its text up to the closing tag belongs to it, and is text."""
+        call = self._call
+        assert call is not None
         at = self._buf.find(CALL_CLOSE)
-        if at < 0 and not final:
-            return False
-        end = len(self._buf) if at < 0 else at + len(CALL_CLOSE)
-        self.calls[-1].raw += self._buf[:end]
+        if at < 0:
+            return False  # finish() turns the rest into text if the tag never comes
+        end = at + len(CALL_CLOSE)
+        self._end_call(out, call.raw + self._buf[:end], complete=False)
         self._buf = self._buf[end:]
-        self._state, self._after_call = "text", True
         return True
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _emit(self, out: ParseDelta, text: str) -> None:
-        if not text:
-            return
-        out.content += text
-        if self.segments and isinstance(self.segments[-1], str):
-            self.segments[-1] += text
-        else:
-            self.segments.append(text)
+    def _end_call(self, out: ParseDelta, raw: str, complete: bool) -> None:
+        """The call being read is over: sent whole when it is a call, else its text is text."""
+        call = self._call
+        assert call is not None
+        call.raw, call.complete = raw, complete
+        made = complete and _valid(call)
+        if made:
+            out.calls.append(CallDelta(len(self.calls), call.arguments, call.id, call.name))
+            self.calls.append(call)
+        else:  # not a call: its text, with the whitespace around it, is content
+            out.content += self._lead + raw
+        self._call = None
+        self._state, self._after_call = "text", made
 
     def _scan_json(self, text: str) -> tuple[str, bool]:
         """The prefix of `text` that continues the arguments object, and whether it closed it.

@@ -43,6 +43,7 @@ SHAPES = {
     "llama-8b": Shape(32, 4096, 32, 8, 14336, 128256, False),
     # tests: every block type of a K-quant fits (hidden and intermediate multiples of 256)
     "tiny": Shape(2, 256, 4, 2, 512, 512, True, rope_theta=10_000.0),
+    "tiny-qwen2": Shape(2, 256, 4, 2, 512, 512, True, True, "qwen2", 1_000_000.0),
 }
 # Q4_K_M / Q5_K_M as llama.cpp writes them: attn_v and ffn_down (half the layers) and the
 # output in Q6_K, the rest in Q4_K / Q5_K.

@@ -1,7 +1,8 @@
 """`radixlm chat`: a terminal chat with the model, the prefix cache at work in plain sight.
 
-Each turn sends the whole conversation through the model's chat template; the radix tree still
-holds the previous turns (prompt and reply), so only the new message is prefilled. After each
+Each turn sends the whole conversation through the server's renderer (`PromptRenderer`, each
+reply spliced back as the ids the model generated); the radix tree still holds the previous
+turns (prompt and reply), so only the new message is prefilled. After each
 reply a status line shows how many prompt tokens came from the cache and the time to first token.
 
     /reset  start a new conversation      /exit or Ctrl-D  quit      Ctrl-C  stop a reply
@@ -23,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from radixlm.agents.prompt import PromptRenderer
+    from radixlm.agents.turns import TurnMemo, turn_ids
     from radixlm.commands.local import load_engine, run_one
     from radixlm.commands.options import config_from_args
     from radixlm.request import SamplingParams
@@ -36,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    memo = TurnMemo()
+    renderer = PromptRenderer(engine.tokenizer, memo)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     print("radixlm chat: /reset starts over, /exit quits, Ctrl-C stops a reply.", file=sys.stderr)
@@ -53,7 +58,12 @@ def run(args: argparse.Namespace) -> int:
         if not line:
             continue
         messages.append({"role": "user", "content": line})
-        prompt = engine.tokenizer.apply_chat_template(messages)
+        try:
+            prompt = renderer.prompt_ids(messages)
+        except ValueError as exc:
+            print(f"[{exc}]", file=sys.stderr)
+            messages.pop()
+            continue
         limit = min(engine.runner.max_context_len, engine.cache.capacity) - len(prompt)
         if limit < 1:
             print("[the conversation fills the context: /reset]", file=sys.stderr)
@@ -67,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
             messages.pop()
             continue
         messages.append({"role": "assistant", "content": reply.text})
+        ids = turn_ids(engine.tokenizer, reply.text, reply.token_ids)
+        if ids is not None:
+            memo.remember(None, reply.text, (), ids)
         print(
             f"\n[{reply.cached_tokens}/{reply.prompt_tokens} prompt tokens from the cache · "
             f"TTFT {reply.ttft_s * 1000:.0f} ms · {len(reply.token_ids)} tokens at "

@@ -27,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from radixlm.agents.prompt import PromptRenderer
     from radixlm.commands.local import load_engine, run_one
     from radixlm.commands.options import config_from_args
     from radixlm.request import SamplingParams
@@ -37,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
         params = config_from_args(args, SamplingParams)
         engine = load_engine(configs)
         if args.chat:
-            prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+            messages = [{"role": "user", "content": text}]
+            prompt = PromptRenderer(engine.tokenizer).prompt_ids(messages)
         else:
             prompt = engine.tokenizer.encode(text)
         reply = run_one(engine, prompt, params, on_text=None if args.json else _print)

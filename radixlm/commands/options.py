@@ -66,6 +66,8 @@ _HELP = {
     "max_queued_tokenizations": "prompts waiting for a tokenizer thread; more is a 503",
     "metrics_snapshot_ttl_s": "/metrics reuses an engine snapshot this young",
     "cache_page_text": "the /cache page shows token text (prompts are private)",
+    "max_stored_responses": "stored responses (the Responses API) per cache namespace",
+    "max_stored_response_bytes": "bytes of stored responses, all namespaces together",
 }
 
 # ServerConfig fields with a flag of their own; api_keys comes from --api-key / --api-key-file.
@@ -73,6 +75,7 @@ _SERVER_FLAGS = (
     "host", "port", "model_name", "salt_from", "report_cached_tokens", "cached_tokens_page",
     "max_body_bytes", "body_timeout_s", "body_idle_timeout_s", "max_concurrent_tokenizations",
     "max_queued_tokenizations", "metrics_snapshot_ttl_s", "worker_id", "cache_page_text",
+    "max_stored_responses", "max_stored_response_bytes",
 )  # fmt: skip
 
 

@@ -6,8 +6,9 @@
                         SamplingParams(temperature=0, max_tokens=32))
     outs[0].text, outs[0].cached_tokens, outs[0].metrics.ttft_s
 
-A prompt is a string, a list of token ids, or a list of chat messages (the model's chat template
-is applied). All prompts are queued at once, so the scheduler batches them and shares prefixes.
+A prompt is a string, a list of token ids, or a list of chat messages (rendered by the server's
+own `PromptRenderer`, so a conversation gets the same ids here as served). All prompts are
+queued at once, so the scheduler batches them and shares prefixes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
+from radixlm.agents.prompt import PromptRenderer
 from radixlm.config import (
     CacheConfig,
     CacheKind,
@@ -57,6 +59,7 @@ class LLM:
             ),
         )
         self.tokenizer = self.engine.tokenizer
+        self.renderer = PromptRenderer(self.tokenizer)
 
     def generate(
         self,
@@ -94,7 +97,7 @@ class LLM:
             return self.tokenizer.encode(prompt)
         items: list[Any] = list(prompt)
         if items and all(isinstance(m, dict) for m in items):
-            return self.tokenizer.apply_chat_template(items)
+            return self.renderer.prompt_ids(items)
         if all(isinstance(t, int) for t in items):
             return [int(t) for t in items]
         raise ValueError("a prompt is a string, a list of token ids, or a list of chat messages")

@@ -65,6 +65,18 @@ COMMON_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC")
 # every thread started after), changing float arithmetic outside the kernels (PyTorch, the
 # sampler) the moment the library loads.
 LINK_FLAGS = ("-fopenmp", "-shared")
+# Decode attention keeps each query row's arithmetic independent of the rows it shares a chunk
+# with, so a lone request's query heads may go to different threads and keep their bits:
+# reassociation regroups a row's sums differently as the number of rows in a chunk changes.
+SOURCE_FLAGS = {
+    name: ("-fno-associative-math",)
+    for name in (
+        "decode_attention.c",
+        "decode_attention_bf16.c",
+        "decode_attention_dots.c",
+        "decode_attention_i8.c",
+    )
+}
 X86 = platform.machine() in ("x86_64", "AMD64")
 
 
@@ -206,7 +218,9 @@ def library_path(variant: Variant, cc: str) -> tuple[Path, Path]:
     key = hashlib.sha256()
     for source in SOURCES + HEADERS:
         key.update(source.read_bytes())
-    for part in (cc, " ".join(flags(variant, cc)), " ".join(LINK_FLAGS), platform.machine()):
+    per_source = " ".join(f"{name}:{' '.join(extra)}" for name, extra in SOURCE_FLAGS.items())
+    for part in (cc, " ".join(flags(variant, cc)), " ".join(LINK_FLAGS), per_source,
+                 platform.machine()):  # fmt: skip
         key.update(part.encode())
     name = f"radixlm_kernels-{variant.name}-{key.hexdigest()[:16]}.so"
     home = Path(os.environ.get("RADIXLM_CACHE_DIR") or Path.home() / ".cache" / "radixlm")
@@ -253,7 +267,10 @@ def _compile(variant: Variant, cc: str, path: Path, jobs: int | None) -> None:
     flags_ = flags(variant, cc)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         objects = [Path(tmp) / (s.stem + ".o") for s in SOURCES]
-        commands = [[cc, *flags_, "-c", str(s), "-o", str(o)] for s, o in zip(SOURCES, objects)]
+        commands = [
+            [cc, *flags_, *SOURCE_FLAGS.get(s.name, ()), "-c", str(s), "-o", str(o)]
+            for s, o in zip(SOURCES, objects)
+        ]
         workers = jobs or len(os.sched_getaffinity(0))
         with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
             for cmd, done in zip(commands, pool.map(_run, commands)):

@@ -3,6 +3,9 @@
 The reason is decided in this order, first fit wins:
 
     hit                      the whole prompt but its last token was cached: nothing to explain
+    reformatted_turn         the match ends inside an assistant message that came back
+                             reformatted: the same JSON value (tool arguments) in other
+                             spacing or key order, the tree holding the turn as generated
     salt                     another cache_salt holds these very tokens past the segment
                              where this prompt's match ended
     evicted                  the tree had the next tokens and evicted them (when: evicted_at)
@@ -33,6 +36,7 @@ from radixlm.observatory.segments import Segment, SegmentMap
 
 REASONS = (
     "hit",
+    "reformatted_turn",
     "salt",
     "evicted",
     "new_content",
@@ -44,6 +48,9 @@ FIXES = {
     "salt": "requests share cached prefixes only under the same cache_salt",
     "evicted": "the cache is smaller than the working set: give it more KV slots, or send "
     "requests that share a prefix closer together",
+    "reformatted_turn": "a previous turn came back reformatted (the same tool arguments, other "
+    "spacing or key order): the server splices the generated ids back while it remembers the "
+    "turn; send assistant messages back as received to hit in every case",
     "different_previous_turn": "send back each assistant message exactly as received "
     "(content and tool calls unchanged, nothing stripped)",
     "volatile": "move the changing value (timestamp, date, id) to the end of the prompt, "
@@ -127,14 +134,18 @@ def _reason(
     cached = probe.cached_len
     if cached >= prompt_len - 1:  # the last token is always computed
         return "hit", 0
+    lost = min(len(probe.continuation), prompt_len - 1 - cached)
+    turn = segment if segment is not None and segment.role == "assistant" else None
+    if turn is not None and tree is not None and _reformatted(prefix[turn.start :], rest, tree):
+        # this namespace holds the turn as generated: whoever else holds more, this is why
+        return "reformatted_turn", lost
     if salted:
         return "salt", probe.other_namespace_len - cached
     if probe.evicted is not None:
         return "evicted", probe.evicted.num_tokens
     if tree is None:
         return "new_content", 0
-    lost = min(len(probe.continuation), prompt_len - 1 - cached)
-    if segment is not None and segment.role == "assistant":
+    if turn is not None:
         return "different_previous_turn", lost
     if _volatile(prefix, rest, tree):
         return "volatile", lost
@@ -193,6 +204,15 @@ def _reordered(common: str, rest: str, tree: str) -> bool:
         return False
     canon_a, canon_b = {o[2] for o in objects_a}, {o[2] for o in objects_b}
     return first_a[2] == first_b[2] or first_a[2] in canon_b or first_b[2] in canon_a
+
+
+def _reformatted(common: str, rest: str, tree: str) -> bool:
+    """The JSON object holding the divergence is the same value on both sides."""
+    n = min(len(rest), len(tree))
+    at = len(common)
+    first_a = next((o for o in _json_objects(common + rest[:n]) if o[1] > at), None)
+    first_b = next((o for o in _json_objects(common + tree[:n]) if o[1] > at), None)
+    return first_a is not None and first_b is not None and first_a[2] == first_b[2]
 
 
 def _json_objects(text: str) -> list[tuple[int, int, str]]:

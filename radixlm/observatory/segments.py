@@ -1,23 +1,21 @@
 """Which part of a chat prompt a character is in: the system prompt, the tools, message i's
 content or header, or the generation prompt.
 
-The same idea as `Tokenizer._content_spans` and `PromptRenderer`: render the conversation again
-with an unguessable marker around each message's content, here numbered with the message's
-index so that merged messages (tool results joined into one turn, tools appended to the system
-prompt) still name the message they came from. Tools are found by their names in the template's
-text outside any content, or inside the content they were appended to.
+The renderer's own `Marks`: render the conversation again with an unguessable marker around
+each message's content, here labelled with the message's index so that merged messages (tool
+results joined into one turn, tools appended to the system prompt) still name the message they
+came from. Tools are found by their names in the template's text outside any content, or inside
+the content they were appended to.
 """
 
 from __future__ import annotations
 
-import re
-import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from radixlm.agents.chat_format import check_messages
-from radixlm.agents.prompt import PromptRenderer
+from radixlm.agents.prompt import Marks, PromptRenderer
 from radixlm.agents.tools import ToolSpec
 
 
@@ -59,36 +57,13 @@ def chat_segments(
     """Segments of the prompt `renderer` writes for `messages` and `tools`. Raises ValueError
     for invalid messages, as rendering them would."""
     checked = check_messages(messages)
-    nonce = secrets.token_hex(8)
-    close = f"\ue002{nonce}\ue003"
+    marks = Marks()
     marked = []
     for i, (raw, m) in enumerate(zip(messages, checked)):
-        content = m["content"]  # flattened; the rest of the message stays as the client sent it
-        if content:  # the template trims nothing inside the marks: edges stay outside them
-            core = content.strip()
-            lead, trail = (
-                content[: len(content) - len(content.lstrip())],
-                content[len(content.rstrip()) :],
-            )
-            content = f"{lead}\ue000{nonce}{i}\ue001{core}{close}{trail}" if core else content
-        marked.append({**raw, "content": content})
-    rendered = renderer.render(marked, tools)
-    pattern = re.compile(f"\ue000{nonce}(\\d+)\ue001|{re.escape(close)}")
-    pieces: list[str] = []
-    spans: list[tuple[int, int, int]] = []  # (message index, start, end) in the unmarked text
-    pos = length = 0
-    opened: tuple[int, int] | None = None
-    for match in pattern.finditer(rendered):
-        pieces.append(rendered[pos : match.start()])
-        length += match.start() - pos
-        pos = match.end()
-        if match.group(1) is not None:
-            opened = (int(match.group(1)), length)
-        elif opened is not None:
-            spans.append((opened[0], opened[1], length))
-            opened = None
-    pieces.append(rendered[pos:])
-    text = "".join(pieces)
+        # the content flattened; the rest of the message stays as the client sent it
+        marked.append({**raw, "content": marks.wrap(m["content"] or "", str(i))})
+    text, found = marks.unmark(renderer.render(marked, tools))
+    spans = [(int(s.label), s.start, s.end) for s in found or ()]
     return SegmentMap(text, tuple(_cover(text, spans, checked, tools)))
 
 

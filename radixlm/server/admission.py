@@ -120,10 +120,10 @@ class Admission:
     async def chat_ids(
         self,
         messages: Sequence[ChatMessage],
-        render: Callable[[list[dict[str, Any]]], list[int]] | None = None,
+        render: Callable[[list[dict[str, Any]]], list[int]],
     ) -> list[int]:
-        """Prompt token ids of chat messages, rendered by the model's template (through
-        `render` when given: the agents' renderer, which adds tools and remembered turns)."""
+        """Prompt token ids of chat messages, rendered by `render` (the server's
+        `PromptRenderer`, which adds tools and remembered turns)."""
         limit = self.limits.max_seq_len
         if len(messages) >= limit:
             raise APIError(
@@ -137,7 +137,7 @@ class Admission:
         self._check_chars(chars, "messages", "The messages' content")
         template = [m.to_template() for m in messages]
         try:
-            ids = await self._run(render or self.tokenizer.apply_chat_template, template)
+            ids = await self._run(render, template)
         except ValueError as exc:
             raise APIError(400, f"Invalid messages: {exc}", param="messages") from exc
         check_fits(self.limits, len(ids), "messages")

@@ -4,7 +4,8 @@
     /cache (the tree page)                 open: static HTML with no data; its script asks for
                                            the key and sends it on the data routes below
     /v1/models, /v1/completions,
-    /v1/chat/completions, /v1/cache,
+    /v1/chat/completions, /v1/responses
+    (and /v1/responses/{id}), /v1/cache,
     /v1/cache/flush, /v1/cache/report,
     /v1/cache/tree                         behind `Authorization: Bearer KEY` when keys are set
 
@@ -33,6 +34,7 @@ from radixlm.server.body import BodyLimitMiddleware
 from radixlm.server.errors import ErrorMiddleware, install_error_handlers
 from radixlm.server.metrics import RequestCounterMiddleware
 from radixlm.server.openai_routes import openai_router
+from radixlm.server.responses_api.routes import responses_router
 from radixlm.server.state import ServerState
 from radixlm.server.worker_routes import WORKER_ROUTES, install_worker_routes
 
@@ -43,6 +45,7 @@ ROUTES = frozenset(
         "/v1/models",
         "/v1/completions",
         "/v1/chat/completions",
+        "/v1/responses",
         "/v1/cache",
         "/v1/cache/flush",
         "/v1/cache/report",
@@ -71,6 +74,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
     app.include_router(health_router(state))
     app.include_router(cache_page_router())
     app.include_router(openai_router(state), dependencies=guarded)
+    app.include_router(responses_router(state), dependencies=guarded)
     app.include_router(cache_router(state), dependencies=guarded)
     app.include_router(observatory_router(state.observatory), dependencies=guarded)
     install_worker_routes(app, state, guarded)  # what a gateway in front of replicas calls

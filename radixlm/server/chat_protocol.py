@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from radixlm.server.protocol import (
     MAX_LOGPROBS,
@@ -37,6 +37,23 @@ class NamedFunction(_Strict):
 class NamedToolChoice(_Strict):
     type: Literal["function"]
     function: NamedFunction
+
+
+class AllowedFunction(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class AllowedTools(_Strict):
+    mode: Literal["auto", "required"]
+    tools: list[AllowedFunction] = Field(min_length=1)
+
+
+class AllowedToolsChoice(_Strict):
+    """Calls narrowed to some of the tools, every tool still in the prompt."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
 
 
 class JsonSchemaFormat(_Strict):
@@ -69,7 +86,9 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
     tools: list[ToolDef] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: (
+        Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None
+    ) = None
     parallel_tool_calls: bool | None = None
     return_cache_report: bool = False  # why the cache missed: docs/observatory.md
 
@@ -100,4 +119,4 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def tool_choice_value(self) -> object:
         choice = self.tool_choice
-        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+        return choice.model_dump() if isinstance(choice, BaseModel) else choice

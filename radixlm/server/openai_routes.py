@@ -10,7 +10,6 @@ checked first, text tokenized on the tokenizer threads: `admission.py`) -> Sampl
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
 import uuid
@@ -19,20 +18,19 @@ from typing import TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from radixlm.agents.chat import ChatAgents, ChatOutputs, ChatPlan
+from radixlm.agents.chat import ChatOutputs
 from radixlm.agents.grammar import Constraint
-from radixlm.agents.tools import ToolChoice
 from radixlm.observatory.routes import Reports, with_cache_report
 from radixlm.observatory.segments import chat_segments
 from radixlm.request import SamplingParams
-from radixlm.server.admission import check_fits
 from radixlm.server.chat_protocol import ChatCompletionRequest
-from radixlm.server.errors import APIError, from_validation_error
+from radixlm.server.intake import check_model, parse_body, plan_chat
 from radixlm.server.protocol import CompletionRequest, SamplingRequest
 from radixlm.server.respond import respond
 from radixlm.server.responses import Kind, ResponseHeader
+from radixlm.server.sampling import SamplingFields, sampling_params
 from radixlm.server.state import ServerState
 
 M = TypeVar("M", bound=BaseModel)
@@ -43,8 +41,8 @@ def openai_router(state: ServerState) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await _parse(request, state, CompletionRequest)
-        _check_model(state, body.model)
+        body = await parse_body(request, state, CompletionRequest, chat=False)
+        check_model(state, body.model)
         prompts = [await state.admission.prompt_ids(p) for p in body.prompts]
         header = _header(state, body, "completion", body.logprobs, prompts)
         params = _sampling_params(state, body, prompts, body.max_tokens, body.logprobs, "prompt")
@@ -55,14 +53,18 @@ def openai_router(state: ServerState) -> APIRouter:
         answer = respond(request, state, body, prompts, params, header, namespace, "prompt")
         return await _with_reports(answer, reports, batch=body.is_batch)
 
-    agents = ChatAgents(state.engine.tokenizer, state.limits.vocab_size)
+    agents = state.agents
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await _parse(request, state, ChatCompletionRequest)
-        _check_model(state, body.model)
+        body = await parse_body(request, state, ChatCompletionRequest, chat=True)
+        check_model(state, body.model)
         namespace = state.tenancy.namespace(request, body.cache_salt)
-        plan = await _chat_plan(agents, body)
+        response_format = body.response_format.to_dict() if body.response_format else None
+        plan = await plan_chat(
+            agents, body.tool_dicts or None, body.tool_choice_value, body.parallel_tool_calls,
+            response_format,
+        )  # fmt: skip
         render = functools.partial(agents.prompt_ids, tools=plan.tools, namespace=namespace)
         prompt = await state.admission.chat_ids(body.messages, render)
         top = (body.top_logprobs or 0) if body.logprobs else None
@@ -111,42 +113,6 @@ async def _with_reports(
     return await with_cache_report(response, reports, batch) if reports else response
 
 
-async def _parse(request: Request, state: ServerState, model: type[M]) -> M:
-    raw = await request.body()  # already read within its limits by BodyLimitMiddleware
-    await state.admission.check_json_values(raw, chat=model is ChatCompletionRequest)
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
-
-
-def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise APIError(
-            404,
-            f"The model {model!r} does not exist; this server serves {state.model_name!r}",
-            param="model",
-            code="model_not_found",
-        )
-
-
-async def _chat_plan(agents: ChatAgents, body: ChatCompletionRequest) -> ChatPlan:
-    """Tools and grammar of a chat request (compiling blocks: off the event loop)."""
-    response_format = body.response_format.to_dict() if body.response_format else None
-    if not body.tools and body.tool_choice is None and response_format is None:
-        return ChatPlan([], ToolChoice("none"), None)  # a plain chat: nothing to compile
-    try:
-        return await asyncio.to_thread(
-            agents.plan, body.tool_dicts, body.tool_choice_value, body.parallel_tool_calls,
-            response_format,
-        )  # fmt: skip
-    except ValueError as exc:
-        message = str(exc)
-        param = next((p for p in ("tool_choice", "json_schema") if p in message), "tools")
-        param = "response_format" if param == "json_schema" else param
-        raise APIError(400, message, param=param) from exc
-
-
 def _sampling_params(
     state: ServerState,
     body: SamplingRequest,
@@ -157,48 +123,27 @@ def _sampling_params(
     constraint: Constraint | None = None,
 ) -> SamplingParams:
     """The engine's params; max_tokens defaults to what the context and the pool leave."""
-    vocab = state.limits.vocab_size
-    bad = next((t for t, _ in body.logit_bias_pairs if t >= vocab), None)
-    if bad is not None:
-        message = f"logit_bias token id {bad} is outside the vocabulary (0..{vocab - 1})"
-        raise APIError(400, message, param="logit_bias")
-    limit = state.limits.max_seq_len
+    fields = SamplingFields(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        seed=body.seed,
+        stop=tuple(body.stop_list),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        n=body.n,
+        logit_bias=body.logit_bias_pairs,
+        min_tokens=body.min_tokens,
+        cache_retention=body.cache_retention,
+    )
     prompt_len = max(len(p) for p in prompts)
-    check_fits(state.limits, prompt_len, prompt_param)
-    if max_tokens is None:
-        max_tokens = limit - prompt_len
-    elif prompt_len + max_tokens > limit:
-        raise APIError(
-            400,
-            f"You requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
-            f"{max_tokens} in the completion), but {state.limits.describe()}; "
-            "reduce the prompt or max_tokens",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k if body.top_k is not None and body.top_k > 0 else None,
-            min_p=body.min_p or 0.0,
-            repetition_penalty=body.repetition_penalty or 1.0,
-            presence_penalty=body.presence_penalty or 0.0,
-            frequency_penalty=body.frequency_penalty or 0.0,
-            seed=body.seed,
-            stop=tuple(body.stop_list),
-            stop_token_ids=tuple(body.stop_token_ids or ()),
-            ignore_eos=body.ignore_eos,
-            logprobs=logprobs,
-            n=body.n,
-            logit_bias=body.logit_bias_pairs,
-            min_tokens=body.min_tokens,
-            constraint=constraint,
-            cache_retention=body.cache_retention,
-        )
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from exc
+    return sampling_params(state, fields, prompt_len, prompt_param, constraint)
 
 
 def _header(

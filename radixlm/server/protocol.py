@@ -95,19 +95,11 @@ class SamplingRequest(_Strict):
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        for key in bias or {}:
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys must be token ids; got {key!r}")
-        return bias
+        return check_logit_bias(bias)
 
     @property
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
-        """(token id, bias) with each bias clamped to OpenAI's [-100, 100]; ids are checked
-        against the vocabulary by the route."""
-        clamp = MAX_LOGIT_BIAS
-        return tuple(
-            (int(k), min(max(v, -clamp), clamp)) for k, v in sorted((self.logit_bias or {}).items())
-        )
+        return logit_bias_pairs(self.logit_bias)
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> SamplingRequest:
@@ -206,10 +198,12 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None  # assistant messages only
     tool_call_id: str | None = None  # tool messages only: the call this answers
     # What OpenAI's client sends back with an assistant message it received: accepted, unused
+    # (`parsed` is what the SDK's parse() adds to a message: the content, as an object)
     refusal: str | None = None
     annotations: list[Any] | None = None
     audio: None = None
     function_call: None = None
+    parsed: Any = None
 
     def check(self, where: str) -> None:
         """What a message's role demands of its fields (ParamError naming the field)."""
@@ -244,6 +238,21 @@ class ChatMessage(_Strict):
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out
+
+
+def check_logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:
+    """A logit_bias whose keys are token ids (ValueError otherwise)."""
+    for key in bias or {}:
+        if not key.isdigit():
+            raise ValueError(f"logit_bias keys must be token ids; got {key!r}")
+    return bias
+
+
+def logit_bias_pairs(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """(token id, bias) with each bias clamped to OpenAI's [-100, 100]; ids are checked
+    against the vocabulary by the route."""
+    clamp = MAX_LOGIT_BIAS
+    return tuple((int(k), min(max(v, -clamp), clamp)) for k, v in sorted((bias or {}).items()))
 
 
 def _is_prompt(prompt: Any) -> bool:

@@ -49,22 +49,12 @@ async def respond(
 ) -> Response:
     """Admit the prompts (a 503 when the queue is full, a 400 the engine refuses) and answer;
     `outputs` parses a chat's tool calls out of its text."""
-    gen = Generation(
-        state.engine, prompts, params, header.id, namespace, state.metrics, state.generations
-    )
-    try:
-        await _until_disconnected(request, gen.start)
-    except QueueFullError as exc:
-        retry = {"Retry-After": str(state.config.retry_after_s)}
-        raise APIError(503, f"The server is busy: {exc}", code="queue_full", headers=retry) from exc
-    except ValueError as exc:
-        raise APIError(400, str(exc), param=prompt_param) from exc
-    state.observatory.note(prompts, namespace)
+    gen = await admit(request, state, prompts, params, header.id, namespace, prompt_param)
     if body.stream:
         chunks = _stream(gen, header, body.include_usage, state.tenancy.reported, outputs)
         return StreamingResponse(chunks, media_type="text/event-stream")
     try:
-        results = await _until_disconnected(request, lambda: _collect(gen, len(prompts) * body.n))
+        results = await until_disconnected(request, lambda: _collect(gen, len(prompts) * body.n))
     finally:
         await gen.aclose()
     failed = next((r for r in results if r.finish_reason in ("abort", "error")), None)
@@ -73,11 +63,38 @@ async def respond(
         raise APIError(status, failed.error or ABORTED)
     for result in results if outputs else ():
         assert outputs is not None
-        content, calls = outputs.message("".join(result.text), result.token_ids)
-        if calls:
-            result.content, result.tool_calls = content, [c.to_openai() for c in calls]
+        reply = outputs.message("".join(result.text), result.token_ids, result.finish_reason)
+        if reply.calls:
+            result.content, result.tool_calls = reply.content, [c.to_openai() for c in reply.calls]
             result.finish_reason = finish_reason(result.finish_reason, made_calls=True)
+        elif reply.content != "".join(result.text):  # none parsed: an unclosed call is text
+            result.text = [reply.content or ""]
     return JSONResponse(full_response(header, results, state.tenancy.reported(gen.usage)))
+
+
+async def admit(
+    request: Request,
+    state: ServerState,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    request_id: str,
+    namespace: str | None,
+    prompt_param: str,
+) -> Generation:
+    """The engine admits the prompts (a 503 when its queue is full, a 400 for what it refuses)
+    and their generation starts; the prompts are noted for the salt index."""
+    gen = Generation(
+        state.engine, prompts, params, request_id, namespace, state.metrics, state.generations
+    )
+    try:
+        await until_disconnected(request, gen.start)
+    except QueueFullError as exc:
+        retry = {"Retry-After": str(state.config.retry_after_s)}
+        raise APIError(503, f"The server is busy: {exc}", code="queue_full", headers=retry) from exc
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=prompt_param) from exc
+    state.observatory.note(prompts, namespace)
+    return gen
 
 
 async def _collect(gen: Generation, num_choices: int) -> list[ChoiceResult]:
@@ -126,17 +143,21 @@ def _parse_chunk(outputs: ChatOutputs, chunk: ChoiceResult) -> None:
     piece = outputs.delta(chunk.index, chunk.text[0], chunk.token_ids)
     text, calls = piece.content, call_deltas(piece)
     if chunk.finish_reason is not None:
-        rest, made_calls = outputs.finish(chunk.index)
+        rest, reply = outputs.finish(chunk.index, chunk.finish_reason)
         text, calls = text + rest.content, calls + call_deltas(rest)
-        chunk.finish_reason = finish_reason(chunk.finish_reason, made_calls)
+        chunk.finish_reason = finish_reason(chunk.finish_reason, bool(reply.calls))
     chunk.text, chunk.tool_calls = [text], calls or None
 
 
 def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {compact_json(obj)}\n\n"
 
 
-async def _until_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T:
+def compact_json(obj: object) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+async def until_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T:
     """Run `work`, cancelling it if the client disconnects first (then ClientDisconnected)."""
     task = asyncio.ensure_future(work())
     watcher = asyncio.ensure_future(_disconnect(request))

@@ -11,12 +11,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from radixlm.agents.chat import ChatAgents
 from radixlm.config import ServerConfig
 from radixlm.engine.async_engine import AsyncEngine
 from radixlm.observatory.service import Observatory
 from radixlm.server.admission import Admission, ModelLimits
 from radixlm.server.generation import Generation
 from radixlm.server.metrics import ServerMetrics
+from radixlm.server.responses_api.store import ResponseStore
 from radixlm.server.snapshot import SnapshotCache
 from radixlm.server.tenancy import Tenancy
 
@@ -33,6 +35,8 @@ class ServerState:
     tenancy: Tenancy  # API keys, cache namespaces, what cached_tokens reports
     snapshots: SnapshotCache  # /metrics' engine snapshots, shared by scrapes close together
     observatory: Observatory  # cache reports on request (return_cache_report), /v1/cache/report
+    agents: ChatAgents  # the prompt renderer, its turn memo and the grammars, for every route
+    responses: ResponseStore  # the Responses API's stored responses, per namespace
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
     generations: set[Generation] = field(default_factory=set)  # requests being served now
@@ -55,6 +59,8 @@ class ServerState:
             Tenancy(config),
             SnapshotCache(config.metrics_snapshot_ttl_s),
             Observatory.attach(engine, metrics, config.cache_page_text),
+            ChatAgents(core.tokenizer, limits.vocab_size),
+            ResponseStore(config.max_stored_responses, config.max_stored_response_bytes),
             metrics,
         )
 

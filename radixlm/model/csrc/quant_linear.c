@@ -89,12 +89,7 @@ __attribute__((unused)) static void unpack_record(const uint8_t *q, int bits, in
                                                   int16_t w[GROUP][BLOCK])
 {
     for (int j = 0; j < GROUP; j++)
-        for (int k = 0; k < BLOCK; k++) {
-            int byte, shift;
-            position(bits, fast, j, k, &byte, &shift);
-            const uint8_t v = (uint8_t)(q[byte] >> shift);
-            w[j][k] = bits == 4 ? (int16_t)(v & 0x0F) : (int16_t)(int8_t)v;
-        }
+        for (int k = 0; k < BLOCK; k++) w[j][k] = (int16_t)record_value(q, bits, fast, j, k);
 }
 
 /* A record's scales and mins as floats, [scale h][column] and [column] (mins 0 without). */
@@ -167,6 +162,19 @@ ALWAYS_INLINE void record_scales(const uint8_t *s, const int sub, const int has_
     }
 }
 
+/* Nibble vector e (32 lanes, the low 4 bits of its values) with its high bits from the record's
+   plane (quant_record.h), as bytes: 5-bit values 0..31, or 6-bit ones made signed (- 32). */
+ALWAYS_INLINE __m256i with_plane(__m256i nibbles, const uint8_t *q, const int bits, const int e)
+{
+    const int h = bits - 4;
+    const __m256i plane = _mm256_loadu_si256((const __m256i *)(q + 128 + 32 * (e * h / 8)));
+    /* 16-bit shifts: the masked bits never cross a byte (shift + h <= 8) */
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(plane, (e * h) % 8),
+                                          _mm256_set1_epi8((char)((1 << h) - 1)));
+    const __m256i v = _mm256_or_si256(nibbles, _mm256_slli_epi16(high, 4));
+    return bits == 6 ? _mm256_sub_epi8(v, _mm256_set1_epi8(32)) : v;
+}
+
 /* The int32 dot products (8 columns a vector) of one record's values q with `rows` rows:
    dot[r * sub + h] for the record's scale h. x: the rows' 32 quantized inputs of this block,
    `stride` bytes apart. */
@@ -175,16 +183,25 @@ ALWAYS_INLINE void record_dots(__m256i *dot, const uint8_t *q, const char *x, in
 {
     for (int i = 0; i < rows * sub; i++) dot[i] = _mm256_setzero_si256();
     const __m256i low4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
-    if (!fast && bits == 4) {
+    if (!fast && nibble_bits(bits)) {
         for (int c = 0; c < 4; c++) { /* a 32-byte load: inputs 8c .. 8c + 7 of every column */
             const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
-            const __m256i lo = _mm256_and_si256(v, low4);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            const __m256i w[4] = {_mm256_unpacklo_epi8(lo, zero), _mm256_unpackhi_epi8(lo, zero),
-                                  _mm256_unpacklo_epi8(hi, zero), _mm256_unpackhi_epi8(hi, zero)};
+            __m256i lo = _mm256_and_si256(v, low4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            if (bits > 4) { /* the high bits of nibble vectors 2c and 2c + 1 */
+                lo = with_plane(lo, q, bits, 2 * c);
+                hi = with_plane(hi, q, bits, 2 * c + 1);
+            }
+            /* int16 lanes: zero-extended, or sign-extended where 6-bit values were made signed */
+            const __m256i lo_ext = bits == 6 ? _mm256_cmpgt_epi8(zero, lo) : zero;
+            const __m256i hi_ext = bits == 6 ? _mm256_cmpgt_epi8(zero, hi) : zero;
+            const __m256i w[4] = {_mm256_unpacklo_epi8(lo, lo_ext), _mm256_unpackhi_epi8(lo, lo_ext),
+                                  _mm256_unpacklo_epi8(hi, hi_ext), _mm256_unpackhi_epi8(hi, hi_ext)};
+            const int h = sub == 2 ? c / 2 : 0; /* inputs 8c .. 8c + 7: scale h */
             for (int r = 0; r < rows; r++)
                 for (int u = 0; u < 4; u++) /* int16 pair 4c + u: inputs 8c + 2u, + 1 */
-                    dot[r] = DOT_PAIRS(dot[r], w[u], bcast32(x + r * stride + 4 * (4 * c + u)));
+                    dot[r * sub + h] = DOT_PAIRS(dot[r * sub + h], w[u],
+                                                 bcast32(x + r * stride + 4 * (4 * c + u)));
         }
     } else if (!fast) { /* 8-bit values, exact: 16 bytes sign-extended per pair of inputs */
         for (int s = 0; s < 16; s++) {
@@ -193,14 +210,33 @@ ALWAYS_INLINE void record_dots(__m256i *dot, const uint8_t *q, const char *x, in
             for (int r = 0; r < rows; r++)
                 dot[r * sub + h] = DOT_PAIRS(dot[r * sub + h], w, bcast32(x + r * stride + 4 * s));
         }
-    } else if (bits == 4) { /* fast: unsigned nibbles against int8 quads */
+    } else if (bits == 4 || bits == 5) { /* fast: unsigned values against int8 quads */
         for (int c = 0; c < 4; c++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
-            const __m256i lo = _mm256_and_si256(v, low4);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            __m256i lo = _mm256_and_si256(v, low4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            if (bits == 5) {
+                lo = with_plane(lo, q, bits, 2 * c);
+                hi = with_plane(hi, q, bits, 2 * c + 1);
+            }
             for (int r = 0; r < rows; r++) { /* quads 2c, 2c + 1: inputs 8c .. 8c + 7 */
                 dot[r] = DOT_QUADS(dot[r], lo, bcast32(x + r * stride + 8 * c));
                 dot[r] = DOT_QUADS(dot[r], hi, bcast32(x + r * stride + 8 * c + 4));
+            }
+        }
+    } else if (bits == 6) { /* fast, 6-bit values made signed: |w| against x with w's sign */
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
+            const __m256i w[2] = {
+                with_plane(_mm256_and_si256(v, low4), q, bits, 2 * c),
+                with_plane(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), q, bits, 2 * c + 1)};
+            for (int u = 0; u < 2; u++) { /* quad 2c + u: inputs 8c + 4u .. + 3, scale h */
+                const __m256i aw = _mm256_abs_epi8(w[u]);
+                const int h = sub == 2 ? c / 2 : 0;
+                for (int r = 0; r < rows; r++) {
+                    const __m256i xs = _mm256_sign_epi8(bcast32(x + r * stride + 8 * c + 4 * u), w[u]);
+                    dot[r * sub + h] = DOT_QUADS(dot[r * sub + h], aw, xs);
+                }
             }
         }
     } else { /* fast, 8-bit signed values: |w| against x with w's sign */
@@ -315,8 +351,8 @@ static void run_rows(const uint8_t *w, int64_t g, Rows a, int64_t m1, int bits, 
     FORMAT_CASE(n, 4, 1, 1, 0, F) /* Q4_0, Q4_1 */                                               \
     FORMAT_CASE(n, 8, 1, 0, 0, F) /* Q8_0 */                                                     \
     FORMAT_CASE(n, 4, 1, 1, 1, F) /* Q4_K */                                                     \
-    FORMAT_CASE(n, 8, 1, 1, 1, F) /* Q5_K */                                                     \
-    FORMAT_CASE(n, 8, 2, 0, 1, F) /* Q6_K */
+    FORMAT_CASE(n, 5, 1, 1, 1, F) /* Q5_K */                                                     \
+    FORMAT_CASE(n, 6, 2, 0, 1, F) /* Q6_K */
 #define FORMATS(n) MODE_FORMATS(n, 0) MODE_FORMATS(n, 1)
         FORMATS(1)
         FORMATS(2)
@@ -336,11 +372,11 @@ int quant_matmul(const void *xq, const float *sx, const float *sxb, int64_t M, i
                  int32_t has_min, int32_t kscale, void *y, int64_t y_stride, int32_t y_bf16,
                  int32_t num_threads)
 {
-    if (K % BLOCK || N % GROUP || (bits != 4 && bits != 8) || (sub != 1 && sub != 2)) return 1;
-    const int known = (bits == 4 && sub == 1 && has_min) ||
-                      (bits == 8 && sub == 1 && !has_min && !kscale) ||
-                      (bits == 8 && sub == 1 && has_min && kscale) ||
-                      (bits == 8 && sub == 2 && !has_min && kscale);
+    if (K % BLOCK || N % GROUP) return 1;
+    const int known = (bits == 4 && sub == 1 && has_min) ||                /* Q4_0/Q4_1/Q4_K */
+                      (bits == 8 && sub == 1 && !has_min && !kscale) ||    /* Q8_0 */
+                      (bits == 5 && sub == 1 && has_min && kscale) ||      /* Q5_K */
+                      (bits == 6 && sub == 2 && !has_min && kscale);       /* Q6_K */
     if (!known) return 1;
     const int64_t nb = K / BLOCK, groups = N / GROUP;
 #pragma omp parallel num_threads(num_threads)
@@ -376,10 +412,7 @@ int quant_rows(const uint8_t *w, const int64_t *rows, int64_t num_rows, int64_t 
             float d[2][GROUP], mn[GROUP];
             scalar_scales(record + qbytes, sub, has_min, kscale, d, mn);
             for (int k = 0; k < BLOCK; k++) {
-                int byte, shift;
-                position(bits, fast, j, k, &byte, &shift);
-                const uint8_t raw = (uint8_t)(record[byte] >> shift);
-                const int q = bits == 4 ? raw & 0x0F : (int8_t)raw;
+                const int q = record_value(record, bits, fast, j, k);
                 volatile float scaled = (float)q * d[sub == 2 ? k / 16 : 0][j]; /* no fma */
                 const float v = has_min ? scaled + mn[j] : scaled;
                 const int64_t at = i * K + b * BLOCK + k;

@@ -20,7 +20,14 @@ static inline int64_t record_bytes(int bits, int sub, int has_min, int kscale)
     return GROUP * BLOCK * bits / 8 + scale_bytes(sub, has_min, kscale);
 }
 
-/* Where column j's input k lies in a record's values: the byte, and 4 for a high nibble. */
+/* A record's values take 4, 5, 6 or 8 bits. 4, 5 and 6 share the nibble layout below: the low
+   4 bits of every value, then for 5 and 6 a plane of their high bits (32 or 64 bytes), so a
+   5-bit Q5_K value or a 6-bit Q6_K one streams in 5/8 or 6/8 of a byte. Q6_K's are stored + 32
+   (0..63) and mean stored - 32; Q5_K's are 0..31; 8-bit values are int8. */
+static inline int nibble_bits(int bits) { return bits == 4 || bits == 5 || bits == 6; }
+
+/* Where column j's input k lies in a record's values: the byte, and 4 for a high nibble (the
+   nibble layout for 4, 5 and 6 bits). */
 static inline void position(int bits, int fast, int j, int k, int *byte, int *shift)
 {
     *shift = 0;
@@ -41,6 +48,32 @@ static inline void position(int bits, int fast, int j, int k, int *byte, int *sh
     else within = lane < 8 ? lane + 8 : lane + 16;
     *byte = 32 * chunk + within;
     *shift = 4 * high_nibble;
+}
+
+/* The high bits of the nibble at (byte, shift), for a value of `bits` > 4: the nibbles form 8
+   byte vectors e = 2 * (byte / 32) + shift / 4 of 32 lanes (lane = byte % 32), and the
+   plane holds vector e's h = bits - 4 high bits at plane byte 32 * (e * h / 8) + lane, bit
+   (e * h) % 8: one 32-byte vector of planes covers 8 / h nibble vectors, lane for lane. */
+static inline void plane_position(int bits, int byte, int shift, int *plane_byte, int *bit)
+{
+    const int h = bits - 4, e = 2 * (byte / 32) + shift / 4;
+    *plane_byte = 128 + 32 * (e * h / 8) + byte % 32;
+    *bit = (e * h) % 8;
+}
+
+/* Column j's input k of a record's values q, as the integer it means. */
+static inline int record_value(const uint8_t *q, int bits, int fast, int j, int k)
+{
+    int byte, shift;
+    position(bits, fast, j, k, &byte, &shift);
+    const int raw = (q[byte] >> shift) & (bits == 8 ? 0xFF : 0x0F);
+    if (bits == 8) return (int8_t)raw;
+    if (bits == 4) return raw;
+    int plane_byte, bit;
+    plane_position(bits, byte, shift, &plane_byte, &bit);
+    const int high = (q[plane_byte] >> bit) & ((1 << (bits - 4)) - 1);
+    const int v = raw | (high << 4);
+    return bits == 6 ? v - 32 : v;
 }
 
 /* IEEE half -> float32 (finite values and zeros; GGUF scales are never inf or NaN). */

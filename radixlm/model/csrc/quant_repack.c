@@ -133,19 +133,24 @@ int repack_blocks(const uint8_t *raw, int32_t qtype, int64_t rows, int64_t cols,
                       qtype == Q5_K || qtype == Q6_K;
     const int k_type = qtype == Q4_K || qtype == Q5_K || qtype == Q6_K;
     if (!known || rows % GROUP || cols % (k_type ? 256 : BLOCK)) return 1;
-    const int bits = qtype == Q4_0 || qtype == Q4_1 || qtype == Q4_K ? 4 : 8;
+    const int bits = qtype == Q8_0 ? 8 : qtype == Q5_K ? 5 : qtype == Q6_K ? 6 : 4;
     const int sub = qtype == Q6_K ? 2 : 1, has_min = qtype != Q8_0 && qtype != Q6_K;
     const int64_t qbytes = GROUP * BLOCK * bits / 8, nb = cols / BLOCK;
     const int64_t rec = record_bytes(bits, sub, has_min, k_type);
     /* per record byte: the value (column * 32 + input) its low bits come from, and where the
        type has 4-bit values, the one its high nibble comes from (layout.py's _sources) */
     int low_src[GROUP * BLOCK], high_src[GROUP * BLOCK];
+    /* and for 5- and 6-bit values, the plane byte and bit of each value's high bits */
+    int plane_byte[GROUP * BLOCK], plane_bit[GROUP * BLOCK];
     for (int j = 0; j < GROUP; j++)
         for (int k = 0; k < BLOCK; k++) {
             int byte, shift;
             position(bits, fast, j, k, &byte, &shift);
             if (shift) high_src[byte] = j * BLOCK + k;
             else low_src[byte] = j * BLOCK + k;
+            if (bits == 5 || bits == 6)
+                plane_position(bits, byte, shift, &plane_byte[j * BLOCK + k],
+                               &plane_bit[j * BLOCK + k]);
         }
     int failed = 0;
 #pragma omp parallel for num_threads(num_threads) schedule(static) reduction(| : failed)
@@ -171,11 +176,19 @@ int repack_blocks(const uint8_t *raw, int32_t qtype, int64_t rows, int64_t cols,
                     if (has_min) memcpy(s + 16 * sub + 2 * j, &rs.min, 2);
                 }
             }
-            if (bits == 4)
-                for (int64_t i = 0; i < qbytes; i++)
-                    r[i] = (uint8_t)(v[low_src[i]] | (v[high_src[i]] << 4));
-            else
+            if (bits == 6) /* stored + 32: 0..63 */
+                for (int i = 0; i < GROUP * BLOCK; i++) v[i] = (uint8_t)((v[i] + 32) & 63);
+            if (bits == 8) {
                 for (int64_t i = 0; i < qbytes; i++) r[i] = v[low_src[i]];
+            } else { /* nibbles, then the high bits' plane */
+                for (int64_t i = 0; i < 128; i++)
+                    r[i] = (uint8_t)((v[low_src[i]] & 0x0F) | ((v[high_src[i]] & 0x0F) << 4));
+                if (bits > 4) {
+                    memset(r + 128, 0, (size_t)(qbytes - 128));
+                    for (int i = 0; i < GROUP * BLOCK; i++)
+                        r[plane_byte[i]] |= (uint8_t)((v[i] >> 4) << plane_bit[i]);
+                }
+            }
         }
     }
     return failed ? 2 : 0;

@@ -7,8 +7,8 @@ and (scale, min) per group of 16 or 32 inputs of one output row. The GGUF types 
     Q4_0   0..15   (4-bit)         32             -8 * d            fp16 d
     Q4_1   0..15   (4-bit)         32             m                 fp16 d, m
     Q4_K   0..15   (4-bit)         32             -dmin * mc        fp16 d, dmin; 6-bit sc, mc
-    Q5_K   0..31   (8-bit)         32             -dmin * mc        as Q4_K, plus a high bit
-    Q6_K   -32..31 (8-bit)         16 (2 per 32)  none              fp16 d; int8 sc per 16
+    Q5_K   0..31   (5-bit)         32             -dmin * mc        as Q4_K, plus a high bit
+    Q6_K   -32..31 (6-bit, + 32)   16 (2 per 32)  none              fp16 d; int8 sc per 16
     Q8_0   -128..127 (8-bit)       32             none              fp16 d
 
 Scales are float32 products of the block's fp16 scale and its small integer sub-scale, exact in
@@ -53,7 +53,7 @@ class Blocks:
     q: np.ndarray  # (rows, cols) int8, or uint8 for 4-bit values (0..15)
     scales: np.ndarray  # (rows, cols // group) float32; group = 32 // sub
     mins: np.ndarray | None  # (rows, cols // 32) float32, or None (no offset)
-    bits: int  # 4 or 8: how the kernels store q
+    bits: int  # 4, 5, 6 or 8: how the kernels store q (layout.py)
     sub: int  # scales per 32 inputs: 1, or 2 (Q6_K's groups of 16)
     source: str  # the GGUF type name
     factors: Factors | None = None  # the K types' factored scales; else scales are fp16 values
@@ -97,7 +97,7 @@ def record_format(qtype: gguf.GGMLQuantizationType) -> tuple[int, int, bool, boo
     """(bits, sub, has_min, kscale): how the kernels store a type (the table above)."""
     if qtype.name not in QUANT_TYPES:
         raise ValueError(f"{qtype.name} is not a type the quantized kernels run")
-    bits = 4 if qtype in (T.Q4_0, T.Q4_1, T.Q4_K) else 8
+    bits = {T.Q8_0: 8, T.Q5_K: 5, T.Q6_K: 6}.get(qtype, 4)
     kscale = qtype in (T.Q4_K, T.Q5_K, T.Q6_K)
     return bits, 2 if qtype == T.Q6_K else 1, qtype not in (T.Q8_0, T.Q6_K), kscale
 
@@ -181,7 +181,7 @@ def _q5_k(b: np.ndarray) -> tuple:
     low = _nibbles(b[:, 48:], n, 32)  # (n, 256)
     qh = b[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
     high = (qh & np.uint8(1)).reshape(n, 256)  # bit i of byte l: input 32 i + l
-    return (low | (high << np.uint8(4))).astype(np.int8), scales, mins, 8, 1, factors
+    return (low | (high << np.uint8(4))).astype(np.int8), scales, mins, 5, 1, factors
 
 
 def _q6_k(b: np.ndarray) -> tuple:
@@ -195,7 +195,7 @@ def _q6_k(b: np.ndarray) -> tuple:
     high = (high & np.uint8(3)).reshape(n, 2, 4, 32)
     q = (low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)
     scales = d16.astype(np.float32) * sc.astype(np.float32)
-    return q.reshape(n, 256), scales, None, 8, 2, (d16, sc, None, None)
+    return q.reshape(n, 256), scales, None, 6, 2, (d16, sc, None, None)
 
 
 _DECODERS = {

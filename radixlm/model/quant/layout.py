@@ -5,7 +5,7 @@ A weight of N outputs and K inputs is cut into groups of 8 outputs (columns) and
 inputs; record (g, b) holds group g's block b and the records of a group follow each other, so
 one group's weights are one stream:
 
-    record = [ q: 8 cols x 32 inputs, 4 or 8 bits (128 or 256 bytes) ]  [ scales ]
+    record = [ q: 8 cols x 32 inputs, 4, 5, 6 or 8 bits (128, 160, 192, 256 bytes) ] [ scales ]
 
 and the scales in one of two forms, each what the file holds (so a record is the file's bytes,
 or near them) and exactly what its dequantization computes:
@@ -24,8 +24,13 @@ holds the 8 columns side by side:
                                (vpmaddubsw + vpmaddwd, or vpdpbusd: four inputs at a time)
 
 4-bit values come 64 to a 32-byte load: its low nibbles make one vector (fast) or two (exact,
-the low and high halves of a byte unpack), its high nibbles the next. `_BYTE` and `_SHIFT` map
-(column, input) to where its bits lie; packing and unpacking both read them.
+the low and high halves of a byte unpack), its high nibbles the next. 5- and 6-bit values
+(Q5_K, Q6_K + 32) keep their low 4 bits in that nibble layout and their high bits in a plane
+after it: the nibbles form 8 byte vectors e (e = 2 * chunk + high nibble) of 32 lanes, and
+vector e's h = bits - 4 high bits lie at plane byte 32 * (e * h // 8) + lane, bit (e * h) % 8,
+so a plane vector completes 8 / h nibble vectors lane for lane with a shift and a mask.
+`_POSITIONS` maps (column, input) to where its bits lie; packing and unpacking both read it, and
+csrc/quant_record.h spells the same layout for the kernels.
 """
 
 from __future__ import annotations
@@ -78,22 +83,35 @@ _POSITIONS = {
     for mode in MODES
     for bits in (4, 8)
 }
+for _mode in MODES:  # 5- and 6-bit values' low nibbles lie as 4-bit values do
+    _POSITIONS[(_mode, 5)] = _POSITIONS[(_mode, 6)] = _POSITIONS[(_mode, 4)]
+NIBBLE_BYTES = GROUP * BLOCK // 2  # the nibble layout's bytes; a plane follows for 5 and 6 bits
+
+
+def _plane_positions(mode: str, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per (column, input): the byte of q and the bit where its high bits (bits - 4 of them)
+    start, for 5- and 6-bit values (the module docstring draws it)."""
+    byte, shift = _POSITIONS[(mode, bits)]
+    h = bits - 4
+    e = 2 * (byte // 32) + shift // 4
+    return NIBBLE_BYTES + 32 * (e * h // 8) + byte % 32, (e * h) % 8
 
 
 def _sources(mode: str, bits: int) -> tuple[np.ndarray, np.ndarray | None]:
     """Per byte of a record's q: the (column * 32 + input) whose bits it holds (the low nibble
     and the high one for 4-bit values): `_POSITIONS` inverted, for packing by gathers."""
     byte, shift = _POSITIONS[(mode, bits)]
-    qbytes = GROUP * BLOCK * bits // 8
+    qbytes = GROUP * BLOCK * (8 if bits == 8 else 4) // 8  # the int8s, or the nibbles
     low = np.zeros(qbytes, dtype=np.int64)
     high = np.zeros(qbytes, dtype=np.int64)
     flat = np.arange(GROUP * BLOCK).reshape(GROUP, BLOCK)
     low[byte[shift == 0]] = flat[shift == 0]
     high[byte[shift == 4]] = flat[shift == 4]
-    return low, (high if bits == 4 else None)
+    return low, (high if bits < 8 else None)
 
 
 _SOURCES = {key: _sources(*key) for key in _POSITIONS}
+_PLANES = {(mode, bits): _plane_positions(mode, bits) for mode in MODES for bits in (5, 6)}
 
 
 def scale_bytes(sub: int, has_min: bool, kscale: bool) -> int:
@@ -115,12 +133,21 @@ def pack(blocks: Blocks, mode: str) -> np.ndarray:
         raise ValueError(f"a ({n}, {k}) weight is not whole groups of {GROUP} x {BLOCK}")
     groups, nblocks, bits, sub = n // GROUP, k // BLOCK, blocks.bits, blocks.sub
     # (groups, blocks, 8 columns x 32 inputs) of the stored bits, gathered byte by byte
-    columns = blocks.q.view(np.uint8).reshape(groups, GROUP, nblocks, BLOCK)
+    stored = blocks.q + 32 if bits == 6 else blocks.q  # Q6_K's values stored + 32: 0..63
+    columns = stored.astype(np.int8).view(np.uint8).reshape(groups, GROUP, nblocks, BLOCK)
     q = columns.transpose(0, 2, 1, 3).reshape(groups, nblocks, GROUP * BLOCK)
     low, high = _SOURCES[(mode, bits)]
     qs = np.take(q, low, axis=2)
     if high is not None:
-        qs = (qs & np.uint8(0x0F)) | (np.take(q, high, axis=2) << np.uint8(4))
+        nibbles = np.uint8(0x0F)
+        qs = (qs & nibbles) | ((np.take(q, high, axis=2) & nibbles) << np.uint8(4))
+    if bits in (5, 6):  # the high bits' plane: each value's (q >> 4) at its byte and bit
+        at, bit = _PLANES[(mode, bits)]
+        plane = np.zeros((groups, nblocks, GROUP * BLOCK * bits // 8 - NIBBLE_BYTES), np.uint8)
+        highs = (q >> np.uint8(4)) << bit.reshape(-1).astype(np.uint8)  # (g, b, 256)
+        for i, target in enumerate(at.reshape(-1) - NIBBLE_BYTES):  # 256 (column, input)s
+            plane[:, :, target] |= highs[:, :, i]
+        qs = np.concatenate([qs, plane], axis=2)
 
     def per_record(values: np.ndarray, per_block: int, dtype: type) -> np.ndarray:
         """(N, nblocks * per_block) values -> (groups, nblocks, per_block * 8 columns) bytes."""
@@ -160,7 +187,16 @@ def unpack_rows(
     where = np.repeat(byte[lane][:, None, :], nblocks, axis=1)  # (R, K/32, 32)
     mine = np.take_along_axis(rec[:, :, :qbytes], where, axis=2)
     values = (mine >> shift[lane][:, None, :].astype(np.uint8)).astype(np.uint8)
-    q = (values & 0x0F if bits == 4 else values.view(np.int8)).astype(np.int16)
+    low: np.ndarray = values.view(np.int8) if bits == 8 else values & np.uint8(0x0F)
+    q = low.astype(np.int16)
+    if bits in (5, 6):
+        plane_at, bit = _PLANES[(mode, bits)]
+        where = np.repeat(plane_at[lane][:, None, :], nblocks, axis=1)
+        highs = np.take_along_axis(rec[:, :, :qbytes], where, axis=2)
+        highs = (highs >> bit[lane][:, None, :].astype(np.uint8)) & np.uint8((1 << (bits - 4)) - 1)
+        q = q | (highs.astype(np.int16) << 4)
+        if bits == 6:
+            q = q - 32
     r = np.arange(len(rows))
 
     def field(start: int, per_block: int, dtype: type) -> np.ndarray:
