@@ -424,9 +424,10 @@ class Kernels:
 def _kv_mode(kv_dtype: torch.dtype, q_dtype: torch.dtype) -> int:
     """The kernels' kv_mode: 0 float32 K/V, 1 bfloat16 K/V, 2 bfloat16 K/V and queries (a
     bfloat16 model: the kernels may use bfloat16 dot products), 3 int8 codes with scales
-    (float32 arithmetic whatever the queries)."""
+    (float32 arithmetic), 4 int8 codes and bfloat16 queries (the decode row path's Q K^T in
+    bfloat16 dot products where the CPU has them: the codes are exact in bfloat16)."""
     if kv_dtype == torch.int8:
-        return 3
+        return 4 if q_dtype == torch.bfloat16 else 3
     return int(kv_dtype == torch.bfloat16) * (2 if q_dtype == torch.bfloat16 else 1)
 
 

@@ -28,7 +28,7 @@
    weight, packed Wgate_up, packed Wdown (pack_skinny's layout); kv (num_layers, 4) addresses
    of each layer's K and V pool views (num_slots, KV, D), strided by slot_stride and
    head_stride (the same for every layer), and of its K and V scales (num_slots, KV), strided
-   by scales_slot_stride and scales_head_stride (an int8 pool, kv_mode 3; 0 otherwise);
+   by scales_slot_stride and scales_head_stride (an int8 pool, kv_mode 3 or 4; 0 otherwise);
    final_norm (hidden,); cos, sin (B, D) float32; out_slots (B,); the decode layout as
    decode_attention takes it. kv_mode as decode_attention takes it; rope_store takes the same.
 */

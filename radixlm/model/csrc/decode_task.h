@@ -191,8 +191,10 @@ ALWAYS_INLINE void attend_keys(const KeySource *src, const float *q, int64_t n,
    kv head's query heads: 3 for the default model; a shared run of 2 requests: 6). Faster than
    update_block on K/V in cache, where one shuffle tree per 16 keys replaces a horizontal sum
    per key; from memory the memory is the limit either way.
-   int8 rows: the codes are converted as they are read; each key's K scale multiplies its score
-   and its V scale its probability (once per key, not per element). */
+   int8 rows: a chunk's K codes are converted once for all the rows, exactly (a code has 8
+   bits): to bfloat16 for a bfloat16 model's dot products (kv_mode 4), else to float32; V codes
+   as they are read; each key's K scale multiplies its score and its V scale its probability
+   (once per key, not per element). */
 #define ROWS 8
 
 /* The tree's lane order: lane 4q + r holds key q + 4r, so key j lands in lane LANE_KEYS[j] and
@@ -239,11 +241,13 @@ ALWAYS_INLINE vf key_dot(const char *k_row, const float *q, const void *qp, cons
 
 /* nr (a literal, <= ROWS) query rows (qs pre-scaled float32; qp their bfloat16 pairs, unscaled,
    for dots) attend to one chunk of 16 keys, k_rows / v_rows (the first `count` real, the rest
-   ZERO_ROW); for int8 rows, ks / vs hold the keys' K and V scales in the tree's lane order. */
+   ZERO_ROW): V rows stored as `kind`, K rows as `k_kind` (kind, or an int8 chunk's staged
+   codes: stage_codes); for int8 rows, ks / vs hold the keys' K and V scales in the tree's lane
+   order. */
 ALWAYS_INLINE void rows_chunk(const char *const *k_rows, const char *const *v_rows, int64_t count,
                               const float *qs, const void *qp, float scale, const int nr,
                               float *acc, float *m, float *l, const int64_t D, const int kind,
-                              const int dots, vf ks, vf vs)
+                              const int k_kind, const int dots, vf ks, vf vs)
 {
     const int64_t nv = D / 16;
     vi key_of_lane;
@@ -256,8 +260,8 @@ ALWAYS_INLINE void rows_chunk(const char *const *k_rows, const char *const *v_ro
         const void *q2 = dots ? (const char *)qp + i * D * 2 : NULL;
         __m512 y[8];
         for (int j = 0; j < 8; j++) { /* the tree's first level as the dots come: 256-bit halves */
-            const __m512 a = (__m512)key_dot(k_rows[2 * j], q, q2, D, kind, dots);
-            const __m512 b = (__m512)key_dot(k_rows[2 * j + 1], q, q2, D, kind, dots);
+            const __m512 a = (__m512)key_dot(k_rows[2 * j], q, q2, D, k_kind, dots);
+            const __m512 b = (__m512)key_dot(k_rows[2 * j + 1], q, q2, D, k_kind, dots);
             y[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
         }
         __m512 z[4], w[2];
@@ -305,6 +309,34 @@ ALWAYS_INLINE void rows_chunk(const char *const *k_rows, const char *const *v_ro
         for (int64_t c = 0; c < nv; c++) storev(acc + i * D + 16 * c, a[i][c]);
 }
 
+/* A chunk's 16 int8 K rows as float32 rows, or as bfloat16 rows for dots, in `wide` (16 rows of
+   D floats); `staged` their addresses. Exact: a code is an integer of at most 7 bits. */
+ALWAYS_INLINE void stage_codes(const char *const *rows, float *wide, const char **staged,
+                               const int64_t D, const int dots)
+{
+    for (int j = 0; j < 16; j++) {
+        float *dst = wide + j * D;
+        staged[j] = (const char *)dst;
+#if HAS_BF16_DOTS
+        if (dots) { /* bfloat16 in memory order: the pairs key_dot reads */
+            uint16_t *out = (uint16_t *)dst;
+            int64_t c = 0;
+            for (; c + 32 <= D; c += 32) {
+                const __m512bh both = _mm512_cvtne2ps_pbh((__m512)widen16(rows[j], c + 16, KV_I8),
+                                                          (__m512)widen16(rows[j], c, KV_I8));
+                memcpy(out + c, &both, sizeof both);
+            }
+            if (c < D) { /* D = 16 (mod 32) */
+                const __m256bh half = _mm512_cvtneps_pbh((__m512)widen16(rows[j], c, KV_I8));
+                memcpy(out + c, &half, sizeof half);
+            }
+            continue;
+        }
+#endif
+        for (int64_t c = 0; c < D; c += 16) storev(dst + c, widen16(rows[j], c, KV_I8));
+    }
+}
+
 /* n query rows attend to keys slots[0 .. len), 16 keys per chunk, ROWS rows at a time; the
    next chunk's rows are prefetched while this one is computed. */
 ALWAYS_INLINE void attend_rows(const KeySource *src, const float *qs, const void *qp, float scale,
@@ -312,7 +344,11 @@ ALWAYS_INLINE void attend_rows(const KeySource *src, const float *qs, const void
                                float *l, const int64_t D, const int kind, const int dots)
 {
     const int64_t row_bytes = D * kv_elem(kind);
-    const char *k_rows[16], *v_rows[16], *k_sc[16], *v_sc[16];
+    const char *k_rows[16], *v_rows[16], *k_sc[16], *v_sc[16], *k_staged[16];
+    /* int8: K codes staged once per chunk for all the rows (stage_codes) */
+    float k_wide[kind == KV_I8 ? 16 * D : 1] __attribute__((aligned(64)));
+    const int k_kind = kind != KV_I8 ? kind : dots ? KV_BF16 : KV_F32;
+    const char *const *k_read = kind == KV_I8 ? k_staged : k_rows;
     vf ks = (vf){0}, vs = (vf){0};
     for (int64_t key0 = 0; key0 < len; key0 += 16) {
         const int64_t count = len - key0 < 16 ? len - key0 : 16;
@@ -321,11 +357,13 @@ ALWAYS_INLINE void attend_rows(const KeySource *src, const float *qs, const void
             k_rows[j] = v_rows[j] = (const char *)ZERO_ROW;
             k_sc[j] = v_sc[j] = (const char *)ZERO_ROW;
         }
-        if (kind == KV_I8)
+        if (kind == KV_I8) {
             for (int lane = 0; lane < 16; lane++) { /* lane L holds key LANE_KEYS[L] */
                 ks[lane] = scale_at(k_sc[LANE_KEYS[lane]], 0);
                 vs[lane] = scale_at(v_sc[LANE_KEYS[lane]], 0);
             }
+            stage_codes(k_rows, k_wide, k_staged, D, dots);
+        }
         const int64_t next = key0 + 16, next_count = len - next < 16 ? len - next : 16;
         for (int64_t j = 0; j < next_count; j++) {
             const int64_t at = slots[next + j] * src->row_bytes + src->head_offset;
@@ -338,14 +376,14 @@ ALWAYS_INLINE void attend_rows(const KeySource *src, const float *qs, const void
             const void *q2 = dots ? (const char *)qp + r * D * 2 : NULL;
             float *a = acc + r * D, *mr = m + r, *lr = l + r;
             switch (n - r < ROWS ? n - r : ROWS) { /* literal row counts: registers, unrolled */
-            case 1: rows_chunk(k_rows, v_rows, count, q, q2, scale, 1, a, mr, lr, D, kind, dots, ks, vs); break;
-            case 2: rows_chunk(k_rows, v_rows, count, q, q2, scale, 2, a, mr, lr, D, kind, dots, ks, vs); break;
-            case 3: rows_chunk(k_rows, v_rows, count, q, q2, scale, 3, a, mr, lr, D, kind, dots, ks, vs); break;
-            case 4: rows_chunk(k_rows, v_rows, count, q, q2, scale, 4, a, mr, lr, D, kind, dots, ks, vs); break;
-            case 5: rows_chunk(k_rows, v_rows, count, q, q2, scale, 5, a, mr, lr, D, kind, dots, ks, vs); break;
-            case 6: rows_chunk(k_rows, v_rows, count, q, q2, scale, 6, a, mr, lr, D, kind, dots, ks, vs); break;
-            case 7: rows_chunk(k_rows, v_rows, count, q, q2, scale, 7, a, mr, lr, D, kind, dots, ks, vs); break;
-            default: rows_chunk(k_rows, v_rows, count, q, q2, scale, 8, a, mr, lr, D, kind, dots, ks, vs); break;
+            case 1: rows_chunk(k_read, v_rows, count, q, q2, scale, 1, a, mr, lr, D, kind, k_kind, dots, ks, vs); break;
+            case 2: rows_chunk(k_read, v_rows, count, q, q2, scale, 2, a, mr, lr, D, kind, k_kind, dots, ks, vs); break;
+            case 3: rows_chunk(k_read, v_rows, count, q, q2, scale, 3, a, mr, lr, D, kind, k_kind, dots, ks, vs); break;
+            case 4: rows_chunk(k_read, v_rows, count, q, q2, scale, 4, a, mr, lr, D, kind, k_kind, dots, ks, vs); break;
+            case 5: rows_chunk(k_read, v_rows, count, q, q2, scale, 5, a, mr, lr, D, kind, k_kind, dots, ks, vs); break;
+            case 6: rows_chunk(k_read, v_rows, count, q, q2, scale, 6, a, mr, lr, D, kind, k_kind, dots, ks, vs); break;
+            case 7: rows_chunk(k_read, v_rows, count, q, q2, scale, 7, a, mr, lr, D, kind, k_kind, dots, ks, vs); break;
+            default: rows_chunk(k_read, v_rows, count, q, q2, scale, 8, a, mr, lr, D, kind, k_kind, dots, ks, vs); break;
             }
         }
     }
@@ -422,7 +460,7 @@ ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int
         const int64_t *slots = b->slots + run[0];
         if (n >= TILE_MIN_ROWS) {
 #if HAS_BF16_DOTS
-            if (dots)
+            if (dots && kind == KV_BF16) /* int8 runs take the float32 tiles */
                 tile_attend_bf16(&tile, (const pair_t *)qp, b->scale, src, slots, run[1],
                                  (pair_t *)kt, (pair_t *)vb, D);
             else
@@ -453,7 +491,7 @@ ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int
 void decode_task_bf16(const Batch *b, const KeySource *src, int64_t u, int64_t head,
                       int64_t part, int64_t D, int kv_mode);
 void decode_task_i8(const Batch *b, const KeySource *src, int64_t u, int64_t head, int64_t part,
-                    int64_t D);
+                    int64_t D, int kv_mode);
 void decode_task_dots(const Batch *b, const KeySource *src, int64_t u, int64_t head,
                       int64_t part, int64_t D);
 

@@ -18,8 +18,9 @@
    Layouts: q, out (T, H, D) float32; k, v (num_slots, KV, D) views (slot s, kv head h at element
    s * slot_stride + h * head_stride, as decode_attention.c reads them) float32 (kv_mode 0) or bfloat16
    (kv_mode 1: float32 arithmetic; 2: a bfloat16 model, bfloat16 dot products where the CPU has
-   them, else as 1) or int8 codes (kv_mode 3, with k_scales / v_scales as decode_attention.c
-   takes them: dequantized as each key block is staged, float32 arithmetic); spans
+   them, else as 1) or int8 codes (kv_mode 3, or 4 for a bfloat16 model, with k_scales /
+   v_scales as decode_attention.c takes them: dequantized as each key block is staged, float32
+   arithmetic either way); spans
    (num_spans, 4): first row in q/out, extend_len, prefix_len, offset of the request's
    prefix_len + extend_len slots in `slots`.
 */
@@ -101,8 +102,8 @@ static void run_task_dispatch(const Batch *b, int64_t span, int64_t head, int64_
         if (D == 64) run_task(b, span, head, tok0, tok1, 64, KV_BF16, 1);
         else run_task(b, span, head, tok0, tok1, D, KV_BF16, 1);
     }
-    else if (kv_mode == 3 && D == 64) run_task(b, span, head, tok0, tok1, 64, KV_I8, 0);
-    else if (kv_mode == 3) run_task(b, span, head, tok0, tok1, D, KV_I8, 0);
+    else if (kv_mode >= 3 && D == 64) run_task(b, span, head, tok0, tok1, 64, KV_I8, 0);
+    else if (kv_mode >= 3) run_task(b, span, head, tok0, tok1, D, KV_I8, 0);
     else if (D == 64 && !kv_mode) run_task(b, span, head, tok0, tok1, 64, KV_F32, 0);
     else if (D == 64) run_task(b, span, head, tok0, tok1, 64, KV_BF16, 0);
     else if (D == 128 && !kv_mode) run_task(b, span, head, tok0, tok1, 128, KV_F32, 0);
@@ -121,10 +122,10 @@ int extend_attention(const float *q, const void *k, const void *v, const void *k
 {
     if (num_heads % num_kv_heads != 0) return 1;
     if (head_dim % 16 != 0) return 2; /* rows are whole vectors of 16 floats */
-    if (kv_mode < 0 || kv_mode > 3 || (kv_mode == 3 && (k_scales == NULL || v_scales == NULL)))
+    if (kv_mode < 0 || kv_mode > 4 || (kv_mode >= 3 && (k_scales == NULL || v_scales == NULL)))
         return 4;
-    const int64_t elem = kv_mode == 3 ? 1 : kv_mode ? 2 : 4;
-    const int i8 = kv_mode == 3;
+    const int64_t elem = kv_mode >= 3 ? 1 : kv_mode ? 2 : 4;
+    const int i8 = kv_mode >= 3;
     const Batch batch = {q, out, k, v, i8 ? k_scales : NULL, i8 ? v_scales : NULL, num_heads,
                          num_heads / num_kv_heads, slot_stride * elem, head_stride * elem,
                          scales_slot_stride * 2, scales_head_stride * 2, scale * LOG2E, spans,

@@ -13,8 +13,8 @@
      out_slots  (T,) the pool slot each token's K/V goes to
      k, v       (num_slots, KV, D) views, slot s and kv head h at element s * slot_stride +
                 h * head_stride; by kv_mode: 0 float32, 1 or 2 bfloat16 (rounded to nearest
-                even, as PyTorch does), 3 int8 codes (quantize_row)
-     k_scales,  kv_mode 3: (num_slots, KV) bfloat16, each row's scale, slot s and kv head h at
+                even, as PyTorch does), 3 or 4 int8 codes (quantize_row)
+     k_scales,  kv_mode 3, 4: (num_slots, KV) bfloat16, each row's scale, slot s and kv head h at
      v_scales   element s * scales_slot_stride + h * scales_head_stride
      q_out      (T, H, D) in qkv's dtype
 */
@@ -83,7 +83,7 @@ static inline const float *load_row(const void *src, int64_t at, int64_t D, int 
    its scale (int8, `scale` its address). */
 static inline void store_kv(const float *row, void *dst, uint16_t *scale, int64_t D, int kv_mode)
 {
-    if (kv_mode == 3) quantize_row(row, (int8_t *)dst, scale, D);
+    if (kv_mode >= 3) quantize_row(row, (int8_t *)dst, scale, D);
     else store_row(row, dst, D, kv_mode != 0);
 }
 
@@ -94,10 +94,10 @@ int rope_store(const void *qkv, int64_t num_tokens, int64_t row_stride, int64_t 
                int64_t scales_slot_stride, int64_t scales_head_stride, int kv_mode, int qkv_bf16,
                void *q_out, int num_threads)
 {
-    const int i8 = kv_mode == 3, kv_bf16 = kv_mode == 1 || kv_mode == 2;
+    const int i8 = kv_mode >= 3, kv_bf16 = kv_mode == 1 || kv_mode == 2;
     const int64_t D = head_dim, elem = i8 ? 1 : kv_bf16 ? 2 : 4, q_elem = qkv_bf16 ? 2 : 4;
     if (D % 2 != 0 || D > 1024) return 1;
-    if (kv_mode < 0 || kv_mode > 3 || (i8 && (k_scales == NULL || v_scales == NULL))) return 2;
+    if (kv_mode < 0 || kv_mode > 4 || (i8 && (k_scales == NULL || v_scales == NULL))) return 2;
     const int64_t slot_bytes = slot_stride * elem, head_bytes = head_stride * elem;
     /* Threads only when there is enough work to pay for waking them (a prefill chunk). */
 #pragma omp parallel for num_threads(num_threads) if (num_tokens >= 64)
