@@ -13,6 +13,9 @@ CacheKind = Literal["radix", "none"]
 Eviction = Literal["lru", "turn-credit", "gdsf", "adaptive"]
 Policy = Literal["lpm", "fcfs"]
 DType = Literal["float32", "bfloat16", "float16"]
+# The KV pool's: a float dtype, or "int8": codes with one bfloat16 scale per (token, kv head)
+# row, about twice the tokens of bfloat16 in the same bytes (radixlm/cache/kv_quant.py).
+KVDType = Literal["float32", "bfloat16", "float16", "int8"]
 # "auto": the dtype this machine runs fastest, chosen when the model loads (ModelRunner):
 # bfloat16 where the native kernels have bfloat16 dot products (AVX512-BF16), else float32.
 ModelDType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -61,7 +64,7 @@ class CacheConfig:
     num_slots: int = 65_536  # KV slots (tokens) in the pool
     page_size: int = 1  # matches and inserts cover whole pages of this many tokens
     cache: CacheKind = "radix"  # "none" never reuses KV (the ablation)
-    kv_dtype: DType | None = None  # None = the model's dtype
+    kv_dtype: KVDType | None = None  # None = the model's dtype
     eviction: Eviction = "lru"  # which unlocked leaf goes first (radixlm/cache/eviction.py)
     l2_dir: str | None = None  # a directory for the L2 extent file; None = no L2 tier
     l2_capacity: int = 1 << 20  # tokens of KV the L2 extent file holds (64-token extents)
@@ -73,6 +76,10 @@ class CacheConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.cache not in ("radix", "none"):
             raise ValueError(f"cache must be 'radix' or 'none', got {self.cache!r}")
+        if self.kv_dtype not in (None, "float32", "bfloat16", "float16", "int8"):
+            raise ValueError(
+                f"kv_dtype must be float32, bfloat16, float16 or int8, got {self.kv_dtype!r}"
+            )
         if self.l2_capacity < 64:
             raise ValueError(f"l2_capacity must be >= 64 tokens, got {self.l2_capacity}")
         if self.eviction not in ("lru", "turn-credit", "gdsf", "adaptive"):

@@ -29,12 +29,17 @@ def new_engine(
     cache: str = "radix",
     num_slots: int = 4096,
     page_size: int = 1,
+    kv_dtype: str | None = None,
     **scheduler: Any,
 ) -> Engine:
-    """An Engine on the model at `model_dir`; `scheduler` holds SchedulerConfig fields."""
+    """An Engine on the model at `model_dir` (float32; its pool in `kv_dtype`, default the
+    model's); `scheduler` holds SchedulerConfig fields."""
+    cache_config = CacheConfig(
+        num_slots=num_slots, page_size=page_size, cache=cache, kv_dtype=kv_dtype,  # type: ignore[arg-type]
+    )  # fmt: skip
     return Engine(
         ModelConfig(path=str(model_dir), dtype="float32", num_threads=1),
-        CacheConfig(num_slots=num_slots, page_size=page_size, cache=cache),  # type: ignore[arg-type]
+        cache_config,
         SchedulerConfig(**scheduler),
     )
 

@@ -31,6 +31,15 @@ def test_engine_flags_come_from_the_configs() -> None:
     assert args.port == 0 and args.host is None  # left out: the ServerConfig default
 
 
+def test_the_kv_dtype_flag_takes_int8() -> None:
+    """--kv-dtype names the pool's storage: a float dtype or int8 (codes and scales); any
+    other spelling is refused by argparse before anything loads."""
+    args = build_parser().parse_args(["serve", "--kv-dtype", "int8"])
+    assert engine_configs(args).cache == CacheConfig(kv_dtype="int8")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-dtype", "q8_0"])
+
+
 def test_bad_flags_are_refused() -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--policy", "random"])  # not a choice

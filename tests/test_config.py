@@ -42,6 +42,7 @@ def test_sampling_params_normalise_sequences() -> None:
         (CacheConfig, {"num_slots": 0}, "num_slots"),
         (CacheConfig, {"page_size": 0}, "page_size"),
         (CacheConfig, {"cache": "lru"}, "cache"),
+        (CacheConfig, {"kv_dtype": "int4"}, "kv_dtype"),
         (SchedulerConfig, {"chunk_size": 0}, "chunk_size"),
         (SchedulerConfig, {"policy": "random"}, "policy"),
         (ModelConfig, {"dtype": "int8"}, "dtype"),

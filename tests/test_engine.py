@@ -24,10 +24,18 @@ def shared_prefix_prompts(seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-def test_greedy_outputs_do_not_depend_on_the_cache(make_engine: Callable[..., Engine]) -> None:
+# The pools the identity tests run on: the model's float32, and int8 codes with scales, whose
+# K/V is quantized the same way whether it is cached or recomputed.
+KV_DTYPES = pytest.mark.parametrize("kv_dtype", [None, "int8"], ids=["f32-kv", "int8-kv"])
+
+
+@KV_DTYPES
+def test_greedy_outputs_do_not_depend_on_the_cache(
+    make_engine: Callable[..., Engine], kv_dtype: str | None
+) -> None:
     prompts = shared_prefix_prompts()
-    reference = outputs(run(make_engine(cache="none"), prompts))
-    radix = make_engine(cache="radix")
+    reference = outputs(run(make_engine(cache="none", kv_dtype=kv_dtype), prompts))
+    radix = make_engine(cache="radix", kv_dtype=kv_dtype)
     assert outputs(run(radix, prompts)) == reference
     # Again on the warm tree: now most prompts are cache hits, outputs must not move.
     warm = run(radix, prompts)
@@ -36,25 +44,29 @@ def test_greedy_outputs_do_not_depend_on_the_cache(make_engine: Callable[..., En
     assert [s[0].cache_hit_len for s in warm] == [len(p) - 1 for p in prompts]
 
 
-def test_chunked_batched_and_alone_agree(make_engine: Callable[..., Engine]) -> None:
+@KV_DTYPES
+def test_chunked_batched_and_alone_agree(
+    make_engine: Callable[..., Engine], kv_dtype: str | None
+) -> None:
     prompts = shared_prefix_prompts(1)
-    reference = outputs(run(make_engine(), prompts))
-    chunked = make_engine(chunk_size=7, max_batch_tokens=16)
+    reference = outputs(run(make_engine(kv_dtype=kv_dtype), prompts))
+    chunked = make_engine(chunk_size=7, max_batch_tokens=16, kv_dtype=kv_dtype)
     assert outputs(run(chunked, prompts)) == reference
     alone = []
     for p in prompts:
-        alone += outputs(run(make_engine(cache="none"), [p]))
+        alone += outputs(run(make_engine(cache="none", kv_dtype=kv_dtype), [p]))
     assert alone == reference
 
 
+@KV_DTYPES
 def test_pool_pressure_evicts_and_retracts_without_changing_outputs(
-    make_engine: Callable[..., Engine],
+    make_engine: Callable[..., Engine], kv_dtype: str | None
 ) -> None:
     rng = random.Random(2)
     prompts = [[rng.randrange(1, 250) for _ in range(rng.randrange(20, 60))] for _ in range(12)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    reference = outputs(run(make_engine(cache="none"), prompts, params))
-    tight = make_engine(num_slots=160, max_running_requests=8)
+    reference = outputs(run(make_engine(cache="none", kv_dtype=kv_dtype), prompts, params))
+    tight = make_engine(num_slots=160, max_running_requests=8, kv_dtype=kv_dtype)
     assert outputs(run(tight, prompts, params)) == reference
     assert tight.scheduler.num_retractions > 0
     assert tight.cache.stats().evicted_tokens > 0

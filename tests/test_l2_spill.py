@@ -114,7 +114,8 @@ def test_a_slow_read_is_recomputed_and_logged(
 
 
 @pytest.mark.parametrize(
-    ("dtype", "fingerprint"), [(torch.bfloat16, None), (torch.float32, b"another model")]
+    ("dtype", "fingerprint"),
+    [(torch.bfloat16, None), (torch.int8, None), (torch.float32, b"another model")],
 )
 def test_a_extent_file_from_another_model_or_dtype_is_a_miss(
     tmp_path: Path, dtype: torch.dtype, fingerprint: bytes | None
@@ -210,3 +211,41 @@ def test_a_conversation_tail_loads_back_bit_exact_and_a_bad_one_is_recomputed(
         slot = cache.kv.bytes_per_slot  # the tail extent moved its 20 tokens' bytes, no more
         assert cache.l2_stats()["written_bytes"] == len(turn) * slot
         assert cache.l2_stats()["read_bytes"] == len(turn) * slot
+
+
+def test_an_int8_pool_s_extents_carry_codes_and_scales_back_bit_exact(tmp_path: Path) -> None:
+    """An int8 pool's extent holds its rows' codes and their bfloat16 scales (bytes_per_slot
+    each token: codes + 2 bytes per row), and a load writes both back byte for byte, the tail
+    extent of a turn included."""
+    cache = make_cache(tmp_path, num_extents=4, dtype=torch.int8)
+    pool = cache.kv
+    assert pool.bytes_per_slot == 2 * 2 * 1 * (4 + 2)
+    turn = np.arange(2 * EXTENT_TOKENS + 20, dtype=np.int64)  # ends inside extent 2
+    slots = cache.alloc(len(turn))
+    idx, gen = torch.from_numpy(slots), torch.Generator().manual_seed(0)
+    written = []
+    for layer in range(2):
+        kv = pool.layer(layer)
+        assert kv.scales is not None
+        for t in (kv.k, kv.v, *kv.scales):
+            t[idx] = torch.randint(-127, 128, t[idx].shape, generator=gen).to(t.dtype) * (
+                1 if t.dtype == torch.int8 else 0.01
+            )
+            written.append(t[idx].clone())
+    done = cache.commit(turn, slots, None, cache.tree.root())
+    cache.release(done.node, done.slots[done.cached_len :], finished=False)
+    cache.tree.match(turn)
+    cache.flush()
+    assert cache.tree.num_tokens == 0 and cache.tree.num_l2_extents == 3
+    cache.store.wait_writes()
+    m = cache.match(turn)
+    assert m.length == len(turn) and cache.loads.bad_extents == 0
+    back = torch.from_numpy(np.array(m.slots))
+    got = []
+    for layer in range(2):
+        kv = pool.layer(layer)
+        assert kv.scales is not None
+        got += [t[back] for t in (kv.k, kv.v, *kv.scales)]
+    assert all(torch.equal(a, b) for a, b in zip(written, got))
+    assert cache.l2_stats()["written_bytes"] == len(turn) * pool.bytes_per_slot
+    cache.check_integrity()

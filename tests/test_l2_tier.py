@@ -35,7 +35,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def engine(
-    model_dir: Path, cache: str = "radix", l2_dir: Path | None = None, l2_capacity: int = 4096
+    model_dir: Path,
+    cache: str = "radix",
+    l2_dir: Path | None = None,
+    l2_capacity: int = 4096,
+    kv_dtype: str | None = None,
 ) -> Engine:
     return Engine(
         ModelConfig(path=str(model_dir), dtype="float32", num_threads=1),
@@ -44,6 +48,7 @@ def engine(
             cache=cache,  # type: ignore[arg-type]
             l2_dir=None if l2_dir is None else str(l2_dir),
             l2_capacity=l2_capacity,
+            kv_dtype=kv_dtype,  # type: ignore[arg-type]
         ),
         SchedulerConfig(),
     )
@@ -92,6 +97,21 @@ def test_extents_go_to_disk_and_come_back_with_identical_outputs(
     assert f"radixlm_l2_hit_tokens_total {float(cache.loads.hit_tokens)}" in text
     assert f"radixlm_l2_load_seconds_count {float(cache.loads.num_loads)}" in text
     assert "radixlm_l2_rejected_tokens_total" in text and 'radixlm_l2_pages{state="free"}' in text
+
+
+def test_int8_extents_go_to_disk_and_come_back_with_identical_outputs(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """An int8 pool's extents (codes and scales) leave RAM and come back: greedy outputs equal
+    the int8 pool's with the cache off, and every slot and extent is accounted for."""
+    expected = script(engine(model_dir, cache="none", kv_dtype="int8"))
+    tiered = engine(model_dir, l2_dir=tmp_path, kv_dtype="int8")
+    cache = tiered.cache
+    assert isinstance(cache, TieredRadixCache) and tiered.runner.pool.quantized
+    assert script(tiered) == expected
+    assert cache.store.written_extents > 0 and cache.loads.hit_tokens >= 128
+    assert cache.loads.bad_extents == 0
+    assert_idle(tiered)
 
 
 def test_a_full_l2_keeps_outputs_identical(

@@ -211,7 +211,9 @@ def test_bfloat16_kv_decodes_sharing_a_prefix(
         assert (got - reference_logits(tiny.reference, s)[-1]).abs().max() < 0.5
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32-kv", "bf16-kv"])
+@pytest.mark.parametrize(
+    "kv_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=["f32-kv", "bf16-kv", "int8-kv"]
+)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_decode_step_equals_the_layer_loop(
     tiny_hf_model, isa: str, dtype: str, kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
@@ -247,7 +249,11 @@ def test_fused_decode_step_equals_the_layer_loop(
         steps.append(rows)
         pool = session.pool
         kv = [torch.stack([pool.k_cache(i), pool.v_cache(i)]) for i in range(pool.num_layers)]
-        runs.append((torch.cat(steps), torch.stack(kv), len(calls)))
+        scales = [
+            torch.stack(list(s)) for i in range(pool.num_layers) if (s := pool.layer(i).scales)
+        ]
+        kv_and_scales = (torch.stack(kv), torch.stack(scales) if scales else None)
+        runs.append((torch.cat(steps), kv_and_scales, len(calls)))
     (loop_logits, loop_kv, loop_calls) = runs[1]
     assert loop_calls == 0
     for fused_logits, fused_kv, fused_calls in (runs[0], runs[2]):
@@ -255,7 +261,8 @@ def test_fused_decode_step_equals_the_layer_loop(
         # 20 rows (not generic's, whose larger steps loop for F.linear)
         assert fused_calls == 3 + (fused.native_linear_rows >= 20)
         assert torch.equal(fused_logits, loop_logits)
-        assert torch.equal(fused_kv, loop_kv)
+        assert torch.equal(fused_kv[0], loop_kv[0])
+        assert fused_kv[1] is None or torch.equal(fused_kv[1], loop_kv[1])  # int8's scales
 
 
 def test_fused_decode_refuses_what_does_not_fit(tiny_hf_model) -> None:  # type: ignore[no-untyped-def]
@@ -338,12 +345,14 @@ def test_a_decode_is_one_new_token_over_a_prefix() -> None:
     assert mixed.is_decode == (False, True, False) and not mixed.is_pure_decode
 
 
+@pytest.mark.parametrize("kv_dtype", [None, "int8"], ids=["model-kv", "int8-kv"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_outputs_with_and_without_the_cache_per_variant(
-    isa: str, dtype: str, tmp_path
+    isa: str, dtype: str, kv_dtype: str | None, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]
     """Each kernel variant, end to end through the engine: greedy outputs are token for token
-    the same with the radix cache on (twice: cold, then warm) and off."""
+    the same with the radix cache on (twice: cold, then warm) and off, with the pool in the
+    model's dtype or in int8 (the same K/V quantized the same way, cached or recomputed)."""
     from helpers import save_tiny_model
     from test_engine import outputs, run, shared_prefix_prompts
 
@@ -354,7 +363,8 @@ def test_greedy_outputs_with_and_without_the_cache_per_variant(
 
     def make(cache: str) -> Engine:
         model = ModelConfig(path=str(tmp_path), num_threads=1, dtype=dtype)  # type: ignore[arg-type]
-        return Engine(model, CacheConfig(num_slots=4096, cache=cache), SchedulerConfig())  # type: ignore[arg-type]
+        cache_config = CacheConfig(num_slots=4096, cache=cache, kv_dtype=kv_dtype)  # type: ignore[arg-type]
+        return Engine(model, cache_config, SchedulerConfig())
 
     prompts = shared_prefix_prompts()
     engine = make("radix")

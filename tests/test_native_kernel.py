@@ -327,8 +327,10 @@ def test_bad_inputs_are_refused() -> None:
     kernels = require_native_kernels()
     k = torch.zeros(8, 2, 16)
     layout = native.DecodeLayout([torch.arange(3)], [])
-    with pytest.raises(ValueError, match="float32 or bfloat16"):
+    with pytest.raises(ValueError, match="float32, bfloat16 or int8"):
         kernels.decode(torch.zeros(1, 4, 16), k.double(), k.double(), layout)
+    with pytest.raises(ValueError, match="need their scales"):
+        kernels.decode(torch.zeros(1, 4, 16), k.to(torch.int8), k.to(torch.int8), layout)
     with pytest.raises(ValueError, match="slot- or head-major"):
         kernels.decode(torch.zeros(1, 4, 16), k[::2], k[::2], layout)
     with pytest.raises(ValueError, match="strides"):  # K and V laid out differently

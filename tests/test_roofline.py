@@ -77,3 +77,6 @@ def test_a_decode_step_reads_the_quantized_records_not_the_float_weights(
                         if n.endswith("proj.weight") or n == "lm_head.weight")  # fmt: skip
     assert float_kv == kv and float_weights == linear_floats * 4 + norms
     assert _decode_bytes(quantized, 2, 100, blocks=False) == (float_kv, float_weights)
+    int8_kv, int8_weights = _decode_bytes(quantized, 2, 100, kv_dtype="int8")  # codes + scales
+    assert int8_kv == 2 * 101 * 2 * c.num_layers * c.num_kv_heads * (c.head_dim + 2)
+    assert int8_weights == weights

@@ -11,6 +11,8 @@ machine hurts both sides alike and rarely decides the ratio.
   bandwidth bytes a decode step must read (every weight once, as each side holds it: float,
             or quantized blocks + the K/V of B x C tokens) / step time, next to this host's
             read bandwidth (a large sum timed in the same rounds): the roofline fraction.
+  kv dtype  ours' pools hold K/V in --kv-dtype (default: the model's dtype; int8: codes and a
+            scale per row, cache/kv_quant.py); transformers keeps its own cache.
   quant     a GGUF's quantized weights run as integer blocks: ours = --quant's first mode
             (exact), then ours_fast / ours_float for the others listed.
   pytorch   ours with the native kernels off (as RADIXLM_NATIVE=0 runs): PyTorch ops + oneDNN.
@@ -39,7 +41,7 @@ import torch
 
 from radixlm.bench import roofline
 from radixlm.bench.host import describe_host
-from radixlm.cache.kv_pool import KVPool
+from radixlm.cache.kv_pool import KVPool, slot_bytes
 from radixlm.model import native, native_build
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.loader import DTYPES, default_model_path, load_causal_lm
@@ -60,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2)")
     parser.add_argument("--json", default=None, metavar="OUT", help="write the results here")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    parser.add_argument(
+        "--kv-dtype", default=None, choices=[*DTYPES, "int8"],
+        help="ours' KV pool (default: --dtype); int8: codes with a bfloat16 scale per row",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=None, help="default: the cores available")
     parser.add_argument("--prefill-lens", default="128,1024,4096")
     parser.add_argument("--decode-batches", default="1,8,32")
@@ -96,10 +102,14 @@ def run(args: argparse.Namespace) -> int:
     # the file's name, not where it lies on this machine: the JSON is committed and compared
     model = args.model or "default (SmolLM2-135M-Instruct Q4_1)"
     results: dict[str, Any] = {"model": model, "dtype": args.dtype, "threads": threads}
+    results["kv_dtype"] = args.kv_dtype or args.dtype
     results["quant"] = results_quant
     results.update(_setup())
     results.update(torch=torch.__version__, prefill=[], decode=[])
-    print(f"model {path}  dtype {args.dtype}  threads {threads}  rounds {args.rounds}")
+    print(
+        f"model {path}  dtype {args.dtype}  kv {results['kv_dtype']}  threads {threads}  "
+        f"rounds {args.rounds}"
+    )
     print(f"kernels {results['kernels']}  cpu {results['cpu']['model']}")
     results["matmul_peak"] = f"F.linear {roofline.PEAK_SIZE}^3, {args.dtype}, {threads} threads"
     with torch.inference_mode():
@@ -179,19 +189,19 @@ def _alternate(timers: dict[str, Timer], rounds: int) -> dict[str, float]:
     return best
 
 
-def _prefill_timer(model: Any, side: str, n: int) -> Timer:
+def _prefill_timer(model: Any, side: str, n: int, kv_dtype: str | None = None) -> Timer:
     ids = _token_ids(n, _vocab_size(model))
     if side == "transformers":
         input_ids = torch.tensor([ids])
         return _timed(lambda: model(input_ids, use_cache=True, logits_to_keep=1))
-    pool = _pool(model, n)
+    pool = _pool(model, n, kv_dtype)
     slots, empty = pool.alloc(n), np.zeros(0, dtype=np.int64)
     return _timed(lambda: model(ForwardBatch.build([ids], [empty], [slots]), pool))
 
 
 def _prefill_row(sides: dict[str, Any], n: int, args: argparse.Namespace) -> dict:
     """One prefill of n tokens per side, and the matmul peak, in the same alternating rounds."""
-    timers = {name: _prefill_timer(model, name, n) for name, model in sides.items()}
+    timers = {name: _prefill_timer(model, name, n, args.kv_dtype) for name, model in sides.items()}
     timers["matmul_peak"] = roofline.matmul_peak_timer(DTYPES[args.dtype])
     best = _alternate(timers, args.rounds if n <= 1024 else max(1, args.rounds - 1))
     peak_s = best.pop("matmul_peak")
@@ -213,7 +223,9 @@ def _decode_row(sides: dict[str, Any], batch_size: int, args: argparse.Namespace
             timers.update({"transformers_1": one, "transformers_n": many})
         else:
             rounds = args.rounds + 1
-            timers[name] = _decode_timer(model, context, batch_size, args.steps, rounds)
+            timers[name] = _decode_timer(
+                model, context, batch_size, args.steps, rounds, args.kv_dtype
+            )
     read_timer, read_bytes = roofline.read_bandwidth_timer()
     timers["read_bandwidth"] = read_timer
     best = _alternate(timers, args.rounds)
@@ -226,7 +238,8 @@ def _decode_row(sides: dict[str, Any], batch_size: int, args: argparse.Namespace
             mb = float_mb  # transformers dequantizes a GGUF to float
         else:
             ms = best[name] / args.steps * 1e3
-            mb = sum(_decode_bytes(sides[name], batch_size, args.context)) / 1e6
+            kv_dtype = args.kv_dtype
+            mb = sum(_decode_bytes(sides[name], batch_size, args.context, kv_dtype=kv_dtype)) / 1e6
         row[f"{name}_ms"] = ms
         row[f"{name}_read_mb"] = mb
         row[f"{name}_gb_s"] = mb / ms
@@ -235,19 +248,21 @@ def _decode_row(sides: dict[str, Any], batch_size: int, args: argparse.Namespace
 
 
 def _decode_timer(
-    model: CausalLM, context: list[int], batch_size: int, steps: int, rounds: int
+    model: CausalLM,
+    context: list[int],
+    batch_size: int,
+    steps: int,
+    rounds: int,
+    kv_dtype: str | None = None,
 ) -> Timer:
     """Each call: `steps` greedy decode steps of `batch_size` requests sharing no slots."""
     n = len(context)
-    pool = _pool(model, batch_size * (n + steps * (rounds + 1)))
+    pool = _pool(model, batch_size * (n + steps * (rounds + 1)), kv_dtype)
     first = pool.alloc(n)
     model(ForwardBatch.build([context], [np.zeros(0, dtype=np.int64)], [first]), pool)
     seqs = [first] + [pool.alloc(n) for _ in range(batch_size - 1)]
     for slots in seqs[1:]:  # the same context, copied into each request's own slots
-        to, src = torch.from_numpy(slots), torch.from_numpy(first)
-        for layer in range(pool.num_layers):
-            for cache in (pool.k_cache(layer), pool.v_cache(layer)):
-                cache[to] = cache[src]
+        pool.copy_slots(slots, first)
     tokens = [[context[-1]]] * batch_size
 
     def decode_steps() -> float:
@@ -293,15 +308,22 @@ def _has_blocks(model: CausalLM) -> bool:
 
 
 def _decode_bytes(
-    model: CausalLM, batch_size: int, context: int, blocks: bool = True
+    model: CausalLM,
+    batch_size: int,
+    context: int,
+    blocks: bool = True,
+    kv_dtype: str | None = None,
 ) -> tuple[int, int]:
     """(K/V bytes, weight bytes) one decode step reads: every weight once (as the model holds
     it: float, or quantized records; with `blocks` False, as float32 or the model's dtype),
-    K/V of B x C tokens. The input embedding is only indexed (B rows); a tied lm_head still
-    reads all of it."""
+    K/V of B x C tokens in `kv_dtype` (default: the model's; int8 with its scales). The input
+    embedding is only indexed (B rows); a tied lm_head still reads all of it."""
     c = model.config
-    element = model.model.embed_tokens.weight.element_size()
-    kv = batch_size * (context + 1) * 2 * c.num_layers * c.kv_size * element
+    weight = model.model.embed_tokens.weight
+    element = weight.element_size()
+    pool_dtype = _KV_DTYPES[kv_dtype] if kv_dtype else weight.dtype
+    token = slot_bytes(c.num_layers, c.num_kv_heads, c.head_dim, pool_dtype)
+    kv = batch_size * (context + 1) * token
     weights = 0
     for name, module in model.named_modules():
         if name == "model.embed_tokens":
@@ -353,9 +375,14 @@ def _timed(call: Callable[[], Any]) -> Timer:
     return timer
 
 
-def _pool(model: CausalLM, num_slots: int) -> KVPool:
+def _pool(model: CausalLM, num_slots: int, kv_dtype: str | None = None) -> KVPool:
+    """A pool for `model` in `kv_dtype` (default: the model's dtype)."""
     c, weight = model.config, model.model.embed_tokens.weight
-    return KVPool(num_slots, c.num_layers, c.num_kv_heads, c.head_dim, weight.dtype)
+    dtype = _KV_DTYPES[kv_dtype] if kv_dtype else weight.dtype
+    return KVPool(num_slots, c.num_layers, c.num_kv_heads, c.head_dim, dtype)
+
+
+_KV_DTYPES = {**DTYPES, "int8": torch.int8}  # --kv-dtype's choices
 
 
 def _vocab_size(model: Any) -> int:

@@ -8,6 +8,8 @@ them into torch tensors without a copy (`torch.from_numpy`).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -69,11 +71,33 @@ class SlotAllocator:
         self._num_free += slots.size
 
 
+class KVScales(NamedTuple):
+    """An int8 pool layer's scales: one bfloat16 per row (kv_quant.py), (num_slots, kv_heads)
+    views laid out as the codes are (head-major on CPU)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class LayerKV(NamedTuple):
+    """One layer of the pool as the model reads and writes it: K and V views (num_slots,
+    kv_heads, head_dim), and for an int8 pool their scales (None for float pools)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    scales: KVScales | None
+
+
 class KVPool:
     """K and V tensors for num_layers x num_slots x num_kv_heads rows of head_dim, and the slots.
 
-    `k_cache(layer)` / `v_cache(layer)` are views of shape [num_slots, num_kv_heads, head_dim];
-    the model writes new tokens' K/V at their slots and gathers a sequence's slots to attend.
+    `k_cache(layer)` / `v_cache(layer)` are views of shape [num_slots, num_kv_heads, head_dim]
+    (`layer(i)` gives both, with the scales of an int8 pool); the model writes new tokens' K/V
+    at their slots and gathers a sequence's slots to attend.
+
+    dtype float32, bfloat16 or float16 stores the values; int8 stores codes, with one bfloat16
+    scale per (slot, kv head) row in `k_scales` / `v_scales`, shaped as the codes without
+    head_dim (the format: cache/kv_quant.py): about half the bytes of bfloat16 per token.
 
     Underneath, a CPU pool is head-major, [num_layers, num_kv_heads, num_slots, head_dim]: one
     kv head's rows of consecutive slots lie next to each other, so decode attention, which reads
@@ -95,14 +119,16 @@ class KVPool:
     ) -> None:
         self.allocator = SlotAllocator(num_slots)
         self.head_major = torch.device(device).type == "cpu"
-        if self.head_major:  # and on huge pages where Linux allows (see radixlm.hugepages)
+        if self.head_major:
             shape = (num_layers, num_kv_heads, num_slots, head_dim)
-            self.k = hugepages.zeros(shape, dtype)
-            self.v = hugepages.zeros(shape, dtype)
         else:
             shape = (num_layers, num_slots, num_kv_heads, head_dim)
-            self.k = torch.zeros(shape, dtype=dtype, device=device)
-            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = _zeros(shape, dtype, device), _zeros(shape, dtype, device)
+        self.k_scales: torch.Tensor | None = None  # int8 pools: (shape without head_dim)
+        self.v_scales: torch.Tensor | None = None
+        if dtype == torch.int8:
+            self.k_scales = _zeros(shape[:-1], torch.bfloat16, device)
+            self.v_scales = _zeros(shape[:-1], torch.bfloat16, device)
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -118,8 +144,14 @@ class KVPool:
         return self.allocator.num_free
 
     @property
+    def quantized(self) -> bool:
+        """Whether the pool holds int8 codes and scales (kv_quant.py)."""
+        return self.k_scales is not None
+
+    @property
     def bytes_per_slot(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k.element_size()
+        """One token's K and V in every layer, scales included."""
+        return slot_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
     def alloc(self, n: int) -> np.ndarray:
         return self.allocator.alloc(n)
@@ -136,14 +168,63 @@ class KVPool:
         stride = self.k_cache(0).stride()
         return stride[0], stride[1]
 
+    def scale_strides(self) -> tuple[int, int]:
+        """The layer scale views' (slot, head) strides in elements, for native code; (0, 0)
+        for a float pool, which has none."""
+        scales = self.layer(0).scales
+        if scales is None:
+            return 0, 0
+        stride = scales.k.stride()
+        return stride[0], stride[1]
+
     def layer_addresses(self) -> torch.Tensor:
-        """(num_layers, 2) int64: where each layer's K and V views start, for native code that
-        walks the layers itself. Fixed for the pool's life (its tensors never move)."""
+        """(num_layers, 4) int64: where each layer's K and V views start, and its K and V
+        scales (0 for a float pool), for native code that walks the layers itself. Fixed for
+        the pool's life (its tensors never move)."""
         if self._addresses is None:
-            rows = [[self.k[i].data_ptr(), self.v[i].data_ptr()] for i in range(self.num_layers)]
+            rows = []
+            for i in range(self.num_layers):
+                row = [self.k[i].data_ptr(), self.v[i].data_ptr(), 0, 0]
+                if self.k_scales is not None and self.v_scales is not None:
+                    row[2:] = [self.k_scales[i].data_ptr(), self.v_scales[i].data_ptr()]
+                rows.append(row)
             self._addresses = torch.tensor(rows, dtype=torch.int64)
         return self._addresses
 
     def v_cache(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s V as a [num_slots, num_kv_heads, head_dim] view."""
         return self.v[layer].transpose(0, 1) if self.head_major else self.v[layer]
+
+    def layer(self, layer: int) -> LayerKV:
+        """Layer `layer`'s K and V views, and their scales' (num_slots, kv_heads) views for an
+        int8 pool."""
+        scales = None
+        if self.k_scales is not None and self.v_scales is not None:
+            ks, vs = self.k_scales[layer], self.v_scales[layer]
+            if self.head_major:
+                ks, vs = ks.transpose(0, 1), vs.transpose(0, 1)
+            scales = KVScales(ks, vs)
+        return LayerKV(self.k_cache(layer), self.v_cache(layer), scales)
+
+    def copy_slots(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """Every layer's K and V (and scales) of slots `src` into slots `dst`."""
+        dim = 2 if self.head_major else 1
+        to, frm = torch.from_numpy(dst), torch.from_numpy(src)
+        for tensor in (self.k, self.v, self.k_scales, self.v_scales):
+            if tensor is not None:
+                tensor.index_copy_(dim, to, tensor.index_select(dim, frm))
+
+
+def slot_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """One token's K and V in every layer of a pool of `dtype`, an int8 pool's scales included
+    (two bfloat16 bytes per row)."""
+    element = torch.empty(0, dtype=dtype).element_size()
+    row = head_dim * element + (2 if dtype == torch.int8 else 0)
+    return 2 * num_layers * num_kv_heads * row
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """Zeros for a pool tensor: on CPU on huge pages where Linux allows (see radixlm.hugepages)."""
+    if torch.device(device).type == "cpu":
+        return hugepages.zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)

@@ -38,7 +38,8 @@ _HELP = {
     "num_slots": "KV slots (tokens) in the pool",
     "page_size": "tokens per page of the prefix cache",
     "cache": "radix reuses cached prefixes; none is the ablation",
-    "kv_dtype": "the KV pool's dtype (default: the model's)",
+    "kv_dtype": "the KV pool's dtype (default: the model's); int8 holds about twice the tokens "
+    "of bfloat16 in the same memory (a scale per token and head; docs/kernels.md)",
     "eviction": "lru; turn-credit (later turns live longer); gdsf (costlier prefixes live "
     "longer); adaptive (learns online which order to follow); docs/cache.md",
     "l2_dir": "a directory for the L2 extent file (KV on disk under the tree; default: none)",

@@ -20,7 +20,10 @@ from radixlm.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "int8": torch.int8,  # codes and scales (cache/kv_quant.py); the pool only
+}  # fmt: skip
 
 
 class ModelRunner:

@@ -2,8 +2,8 @@
 
 `AttentionPlan.build(batch, ...)` turns a ForwardBatch into the index tensors, masks and gather
 buffers that every layer reuses (built once per forward, never per layer). `attend(...)` then
-runs one layer. On CPU, with a float32 or bfloat16 pool, the native kernels (native.py, csrc/)
-do all of it, reading K/V where it lies in the pool:
+runs one layer. On CPU, with a float32, bfloat16 or int8 pool, the native kernels (native.py,
+csrc/) do all of it, reading K/V where it lies in the pool:
 
   extend  one call for every multi-token request: query i of e new tokens sees keys
           0 .. prefix_len + i (flash attention in register tiles, csrc/extend_attention.c).
@@ -23,8 +23,9 @@ Elsewhere (no C compiler, RADIXLM_NATIVE=0, a GPU), PyTorch's SDPA over gathered
           (B, kv_heads, group, D). When several requests share a long run of prefix slots,
           the run is read once for all of them (shared_prefix.py).
 
-Gathers (kv_gather.py) write into two buffers allocated here once per forward.
-The caller has already written the new tokens' K/V into `batch.out_slots` of this layer.
+Gathers (kv_gather.py) write into two buffers allocated here once per forward (float32 for an
+int8 pool: gathers dequantize, exactly). The caller has already written the new tokens' K/V
+into `batch.out_slots` of this layer.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from radixlm.cache.kv_pool import LayerKV
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.kv_gather import PaddedRuns, gather_rows, head_rows
 from radixlm.model.native import DecodeLayout, ExtendLayout, Kernels
@@ -95,8 +97,8 @@ class AttentionPlan:
         *,
         num_heads: int,
     ) -> AttentionPlan:
-        """`kernels`: the native kernels, for K/V in a CPU pool they read (or None);
-        `num_heads`: query heads (the decode kernel's units are sized in query rows)."""
+        """`kernels`: the native kernels, for K/V in a CPU pool they read (or None); kv_dtype:
+        the pool's; `num_heads`: query heads (the decode kernel's units are sized in query rows)."""
         device = batch.input_ids.device
         spans: list[ExtendSpan] = []
         for_kernel: list[tuple[int, int, int, torch.Tensor]] = []  # (start, e, prefix, slots)
@@ -121,7 +123,8 @@ class AttentionPlan:
             + [s.gather_rows.numel() for s in spans if s.gather_rows is not None]
             + ([decode.max_rows] if decode else [])
         )
-        k_buffer = torch.empty(num_rows, head_dim, dtype=kv_dtype, device=device)
+        buffer_dtype = torch.float32 if kv_dtype == torch.int8 else kv_dtype  # dequantized
+        k_buffer = torch.empty(num_rows, head_dim, dtype=buffer_dtype, device=device)
         v_buffer = torch.empty_like(k_buffer)
         pure = batch.is_pure_decode
         return cls(kernels, pure, spans, native_spans, decode, k_buffer, v_buffer)
@@ -154,46 +157,37 @@ def _decode_group(
     return DecodeGroup(token_rows, None, PaddedRuns.of(slot_lists, num_kv_heads), shared)
 
 
-def attend_native(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan
-) -> torch.Tensor:
+def attend_native(q: torch.Tensor, kv: LayerKV, plan: AttentionPlan) -> torch.Tensor:
     """Attention output (T, heads * head_dim) for q (T, heads, D) by the native kernels, which
-    read K/V in the pool only: k_cache / v_cache, this layer's pool views (num_slots, kv_heads,
-    D), already hold the new tokens' K/V. The plan was built with the kernels."""
+    read K/V in the pool only: kv, this layer's pool views (num_slots, kv_heads, D) and an int8
+    pool's scales, already holds the new tokens' K/V. The plan was built with the kernels."""
     kernels, group = plan.kernels, plan.decode
     assert kernels is not None  # NativeBackend.plan builds it with them
     if plan.pure_decode and group is not None:  # the group's rows are all the rows, in order
-        return _decode_native(kernels, q, k_cache, v_cache, group)
+        return _decode_native(kernels, q, kv, group)
     num_tokens = q.shape[0]
     if plan.native_spans is not None:  # every multi-token request at once
-        out = kernels.extend(q, k_cache, v_cache, plan.native_spans).view(num_tokens, -1)
+        out = kernels.extend(q, kv.k, kv.v, plan.native_spans, kv.scales).view(num_tokens, -1)
     else:
         out = q.new_empty(num_tokens, q.shape[1] * q.shape[2])
     if group is not None:  # the decodes riding along
-        out[group.token_rows] = _decode_native(
-            kernels, q[group.token_rows], k_cache, v_cache, group
-        )
+        out[group.token_rows] = _decode_native(kernels, q[group.token_rows], kv, group)
     return out
 
 
 def attend_torch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    plan: AttentionPlan,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, plan: AttentionPlan
 ) -> torch.Tensor:
     """Attention output (T, heads * head_dim) for q (T, heads, D) and the fresh k, v (T, kv, D)
-    by PyTorch's SDPA; k_cache / v_cache as in attend_native."""
+    (as the pool holds them) by PyTorch's SDPA; kv as in attend_native."""
     group = plan.decode
     if plan.pure_decode and group is not None:
-        return _decode_torch(q, k_cache, v_cache, plan, group)
+        return _decode_torch(q, kv, plan, group)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
     for span in plan.spans:
-        out[span.start : span.end] = _extend_one(q, k, v, k_cache, v_cache, plan, span)
+        out[span.start : span.end] = _extend_one(q, k, v, kv, plan, span)
     if group is not None:
-        out[group.token_rows] = _decode_torch(q[group.token_rows], k_cache, v_cache, plan, group)
+        out[group.token_rows] = _decode_torch(q[group.token_rows], kv, plan, group)
     return out
 
 
@@ -201,8 +195,7 @@ def _extend_one(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: LayerKV,
     plan: AttentionPlan,
     span: ExtendSpan,
 ) -> torch.Tensor:
@@ -215,44 +208,36 @@ def _extend_one(
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
     else:
         shape = (1, k.shape[1], span.seq_len, k.shape[2])
-        ks = gather_rows(k_cache, span.gather_rows, plan.k_buffer).view(shape).to(q.dtype)
-        vs = gather_rows(v_cache, span.gather_rows, plan.v_buffer).view(shape).to(q.dtype)
+        k_scales, v_scales = (None, None) if kv.scales is None else kv.scales
+        ks = gather_rows(kv.k, span.gather_rows, plan.k_buffer, k_scales).view(shape).to(q.dtype)
+        vs = gather_rows(kv.v, span.gather_rows, plan.v_buffer, v_scales).view(shape).to(q.dtype)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, enable_gqa=True)
     return o[0].transpose(0, 1).reshape(qs.shape[2], -1)  # (e, heads * D)
 
 
 def _decode_native(
-    kernels: Kernels,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    group: DecodeGroup,
+    kernels: Kernels, q: torch.Tensor, kv: LayerKV, group: DecodeGroup
 ) -> torch.Tensor:
     """q (B, heads, D): one query per request of the group -> (B, heads * D)."""
     assert group.layout is not None  # built with the kernels
     batch_size, num_heads, head_dim = q.shape
-    o = kernels.decode(q, k_cache, v_cache, group.layout)  # (B, heads, D)
+    o = kernels.decode(q, kv.k, kv.v, group.layout, kv.scales)  # (B, heads, D)
     return o.view(batch_size, num_heads * head_dim)
 
 
 def _decode_torch(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    plan: AttentionPlan,
-    group: DecodeGroup,
+    q: torch.Tensor, kv: LayerKV, plan: AttentionPlan, group: DecodeGroup
 ) -> torch.Tensor:
     """q (B, heads, D): one query per request of the group -> (B, heads * D)."""
     batch_size, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
+    num_kv_heads = kv.k.shape[1]
     qs = q.reshape(batch_size, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B,kv,G,D)
     if group.shared is not None:
         buffers = (plan.k_buffer, plan.v_buffer)
-        o = shared_decode_attention(qs, k_cache, v_cache, group.shared, buffers)
+        o = shared_decode_attention(qs, kv, group.shared, buffers)
     else:
         runs = group.plain
         assert runs is not None  # built whenever the kernel is not
-        ks = runs.gather(k_cache, plan.k_buffer, q.dtype)  # (B, kv, L, D)
-        vs = runs.gather(v_cache, plan.v_buffer, q.dtype)
+        ks, vs = runs.gather_kv(kv, (plan.k_buffer, plan.v_buffer), q.dtype)  # (B, kv, L, D)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=runs.key_mask)  # (B,kv,G,D)
     return o.reshape(batch_size, num_heads * head_dim)

@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, NamedTuple, cast
 import torch
 import torch.nn.functional as F
 
-from radixlm.cache.kv_pool import KVPool
+from radixlm.cache import kv_quant
+from radixlm.cache.kv_pool import KVPool, LayerKV
 from radixlm.config import DType
 from radixlm.model import native, native_build, packed_linear
 from radixlm.model.attention import AttentionPlan, attend_native, attend_torch
@@ -124,7 +125,7 @@ class FusedDecode:
         residual stream, as after the Python loop."""
         return self.kernels.decode_layers(
             h, self.weights, pool.layer_addresses(), pool.kv_strides(), self.final_norm,
-            self.shape, rope, out_slots, pool.dtype, layout, self.quant,
+            self.shape, rope, out_slots, pool.dtype, layout, self.quant, pool.scale_strides(),
         )  # fmt: skip
 
 
@@ -192,7 +193,7 @@ class Backend(ABC):
     @abstractmethod
     def for_pool(self, pool: KVPool) -> Backend:
         """This backend for a forward over `pool` (the PyTorch path where the kernels cannot
-        read its K/V: a float16 pool)."""
+        read its K/V: a float16 pool; they read float32, bfloat16 and int8 ones)."""
 
     @abstractmethod
     def plan(self, batch: ForwardBatch, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -217,12 +218,12 @@ class Backend(ABC):
     @abstractmethod
     def rope_store(self, attn: Attention, qkv: torch.Tensor, ctx: ForwardContext) -> RopedQKV:
         """Rotate the new tokens' q and k (after the q/k norms, if any) and write k, v into the
-        pool at ctx.out_slots; q (T, H, D) back, with the fresh k, v where `attend` reads them."""
+        pool at ctx.out_slots (an int8 pool: quantized, cache/kv_quant.py); q (T, H, D) back,
+        with the fresh k, v where `attend` reads them (as the pool holds them)."""
 
     @abstractmethod
-    def attend(self, roped: RopedQKV, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               plan: AttentionPlan) -> torch.Tensor:  # fmt: skip
-        """Attention output (T, heads * D) over this layer's pool views, which hold the new K/V."""
+    def attend(self, roped: RopedQKV, kv: LayerKV, plan: AttentionPlan) -> torch.Tensor:
+        """Attention output (T, heads * D) over this layer of the pool, which holds the new K/V."""
 
     @abstractmethod
     def linear(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -243,7 +244,7 @@ class Backend(ABC):
 
 class RopedQKV(NamedTuple):
     """rope_store's result: rotated queries, and the fresh k, v (None where attend reads the
-    pool only)."""
+    pool only) with the values the pool holds (an int8 pool's: dequantized)."""
 
     q: torch.Tensor  # (T, H, D)
     k: torch.Tensor | None  # (T, KV, D)
@@ -279,10 +280,9 @@ class TorchBackend(Backend):
     def rope_store(self, attn: Attention, qkv: torch.Tensor, ctx: ForwardContext) -> RopedQKV:
         return rope_store_torch(attn, qkv, ctx)
 
-    def attend(self, roped: RopedQKV, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               plan: AttentionPlan) -> torch.Tensor:  # fmt: skip
+    def attend(self, roped: RopedQKV, kv: LayerKV, plan: AttentionPlan) -> torch.Tensor:
         assert roped.k is not None and roped.v is not None  # rope_store_torch keeps them
-        return attend_torch(roped.q, roped.k, roped.v, k_cache, v_cache, plan)
+        return attend_torch(roped.q, roped.k, roped.v, kv, plan)
 
     def linear(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
         if linear.quant is not None:  # the integer kernels' arithmetic, in PyTorch
@@ -299,7 +299,7 @@ class NativeBackend(Backend):
     kernels: native.Kernels  # never None here
 
     def for_pool(self, pool: KVPool) -> Backend:
-        return self if pool.dtype in native.KV_DTYPES else PYTORCH
+        return self if pool.dtype in native.POOL_DTYPES else PYTORCH
 
     def plan(self, batch: ForwardBatch, num_heads: int, num_kv_heads: int, head_dim: int,
              kv_dtype: torch.dtype) -> AttentionPlan:  # fmt: skip
@@ -322,13 +322,14 @@ class NativeBackend(Backend):
     def rope_store(self, attn: Attention, qkv: torch.Tensor, ctx: ForwardContext) -> RopedQKV:
         if attn.q_norm is not None:  # q/k norms sit between the projection and the rope
             return rope_store_torch(attn, qkv, ctx)
-        k_cache, v_cache = ctx.pool.k_cache(attn.layer_id), ctx.pool.v_cache(attn.layer_id)
-        q = self.kernels.rope_store(qkv, ctx.rope, ctx.out_slots, k_cache, v_cache, attn.num_heads)
+        kv = ctx.pool.layer(attn.layer_id)
+        q = self.kernels.rope_store(
+            qkv, ctx.rope, ctx.out_slots, kv.k, kv.v, attn.num_heads, kv.scales
+        )
         return RopedQKV(q, None, None)
 
-    def attend(self, roped: RopedQKV, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               plan: AttentionPlan) -> torch.Tensor:  # fmt: skip
-        return attend_native(roped.q, k_cache, v_cache, plan)
+    def attend(self, roped: RopedQKV, kv: LayerKV, plan: AttentionPlan) -> torch.Tensor:
+        return attend_native(roped.q, kv, plan)
 
     def linear(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
         route = matmul_route(linear, x.shape[0], self.native_linear_rows)
@@ -366,7 +367,8 @@ ALL_ROWS = sys.maxsize
 
 
 def rope_store_torch(attn: Attention, qkv: torch.Tensor, ctx: ForwardContext) -> RopedQKV:
-    """PyTorch's rope (after the q/k norms, if any) and the K/V write into the pool."""
+    """PyTorch's rope (after the q/k norms, if any) and the K/V write into the pool (an int8
+    pool's codes and scales by kv_quant.quantize, and k, v back as the pool holds them)."""
     num_tokens = qkv.shape[0]
     q, k, v = qkv.split(attn.split_sizes, dim=-1)
     q = q.view(num_tokens, attn.num_heads, attn.head_dim)  # (T, heads, D)
@@ -375,10 +377,18 @@ def rope_store_torch(attn: Attention, qkv: torch.Tensor, ctx: ForwardContext) ->
     if attn.q_norm is not None and attn.k_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = apply_rope(q, *ctx.rope), apply_rope(k, *ctx.rope)
-    k_cache, v_cache = ctx.pool.k_cache(attn.layer_id), ctx.pool.v_cache(attn.layer_id)
-    k_cache.index_copy_(0, ctx.out_slots, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, ctx.out_slots, v.to(v_cache.dtype))
-    return RopedQKV(q, k, v)
+    kv = ctx.pool.layer(attn.layer_id)
+    if kv.scales is None:
+        kv.k.index_copy_(0, ctx.out_slots, k.to(kv.k.dtype))
+        kv.v.index_copy_(0, ctx.out_slots, v.to(kv.v.dtype))
+        return RopedQKV(q, k, v)
+    stored = []
+    for fresh, codes, scales in ((k, kv.k, kv.scales.k), (v, kv.v, kv.scales.v)):
+        new_codes, new_scales = kv_quant.quantize(fresh)  # (T, KV, D) int8, (T, KV)
+        codes.index_copy_(0, ctx.out_slots, new_codes)
+        scales.index_copy_(0, ctx.out_slots, new_scales)
+        stored.append(kv_quant.dequantize(new_codes, new_scales, q.dtype))
+    return RopedQKV(q, stored[0], stored[1])
 
 
 def onednn_packs(kernels: native.Kernels | None) -> bool:

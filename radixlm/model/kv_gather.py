@@ -3,7 +3,8 @@
 The pool is read as rows of one head, (num_slots * kv_heads, D) (or, head-major, (kv_heads *
 num_slots, D)), so gathered K/V come out contiguous in SDPA's (batch, kv_heads, len, D) order.
 Gathers write into buffers allocated once per forward and reused by every layer (a fresh 24 MB
-tensor per layer costs more in page faults than the copy itself).
+tensor per layer costs more in page faults than the copy itself). An int8 pool's rows come out
+dequantized (codes times their row's scale, exact in float32) into float32 buffers.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from radixlm.cache.kv_pool import LayerKV
 
 
 @dataclass(frozen=True)
@@ -35,10 +38,27 @@ class PaddedRuns:
             key_mask = keep[:, None, None, :]  # (N, 1, 1, L)
         return cls(head_rows(padded, num_kv_heads), longest, key_mask, len(runs))
 
-    def gather(self, cache: torch.Tensor, buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """cache (num_slots, kv, D) -> (N, kv, L, D), written into the front of `buffer`."""
-        out = gather_rows(cache, self.gather_rows, buffer)
+    def gather(
+        self,
+        cache: torch.Tensor,
+        buffer: torch.Tensor,
+        dtype: torch.dtype,
+        scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """cache (num_slots, kv, D) -> (N, kv, L, D), written into the front of `buffer`
+        (int8 codes: dequantized by their `scales`, (num_slots, kv))."""
+        out = gather_rows(cache, self.gather_rows, buffer, scales)
         return out.view(self.num_runs, cache.shape[1], self.length, cache.shape[2]).to(dtype)
+
+    def gather_kv(
+        self, kv: LayerKV, buffers: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pool layer's K and V of the runs, each (N, kv, L, D), into the two buffers."""
+        k_scales, v_scales = (None, None) if kv.scales is None else kv.scales
+        return (
+            self.gather(kv.k, buffers[0], dtype, k_scales),
+            self.gather(kv.v, buffers[1], dtype, v_scales),
+        )
 
 
 def head_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -50,17 +70,29 @@ def head_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return (slots.unsqueeze(-2) * num_kv_heads + heads).reshape(-1)  # (... * kv * L,)
 
 
-def gather_rows(cache: torch.Tensor, rows: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """cache (num_slots, kv, D) -> its head rows `rows` (rows, D), in the front of `buffer`.
+def gather_rows(
+    cache: torch.Tensor,
+    rows: torch.Tensor,
+    buffer: torch.Tensor,
+    scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """cache (num_slots, kv, D) -> its head rows `rows` (rows, D), in the front of `buffer`;
+    int8 codes times their row's scale from `scales` (num_slots, kv), laid out as cache is.
 
     A head-major pool's view (KVPool) is read through its (kv * num_slots, D) rows: head row
     slot * kv + h is row h * num_slots + slot there."""
     out = buffer[: rows.numel()]
     num_slots, num_kv_heads, head_dim = cache.shape
     if cache.is_contiguous():
-        torch.index_select(cache.view(-1, head_dim), 0, rows, out=out)
+        flat = cache.view(-1, head_dim)
+        flat_scales = None if scales is None else scales.reshape(-1)
     else:
-        by_head = cache.transpose(0, 1).view(-1, head_dim)  # raises unless head-major
+        flat = cache.transpose(0, 1).view(-1, head_dim)  # raises unless head-major
+        flat_scales = None if scales is None else scales.transpose(0, 1).reshape(-1)
         rows = rows % num_kv_heads * num_slots + rows // num_kv_heads
-        torch.index_select(by_head, 0, rows, out=out)
+    if flat_scales is None:
+        torch.index_select(flat, 0, rows, out=out)
+        return out
+    row_scales = flat_scales.index_select(0, rows).float()[:, None]  # (rows, 1)
+    torch.mul(flat.index_select(0, rows), row_scales, out=out)  # int8 * float32 -> float32
     return out

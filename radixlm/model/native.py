@@ -3,7 +3,8 @@ through ctypes (native_abi.py declares each signature).
 
     csrc/decode_attention.c   one query per request; requests on a shared run read it once
                               (its loops in decode_task.h; the bfloat16 pool's builds in
-                              decode_attention_bf16.c and _dots.c, compiled in parallel)
+                              decode_attention_bf16.c and _dots.c, the int8 pool's in _i8.c,
+                              compiled in parallel)
     csrc/extend_attention.c   prefill: new tokens attend causally to their prefix and themselves
     csrc/flash_tile.h         the register-tiled flash attention loops both use
     csrc/simd.h               the vector width and helpers of the build's instruction set
@@ -14,9 +15,10 @@ through ctypes (native_abi.py declares each signature).
     csrc/decode_step.c        a decode step through all the decoder layers, calling the above
     csrc/quant_linear.c       linear layers on quantized weights (quant/): integer dot products
 
-Both attention kernels read K/V where they lie in the pool (float32 or bfloat16), with no
-gather. Why C and not a PyTorch extension: a few small files compile in seconds with the system
-C compiler and need neither PyTorch's headers nor ninja.
+Both attention kernels read K/V where they lie in the pool (float32, bfloat16, or int8 codes
+with their scales: cache/kv_quant.py), with no gather. Why C and not a PyTorch extension: a few
+small files compile in seconds with the system C compiler and need neither PyTorch's headers
+nor ninja.
 
 `kernels()` is the library of the variant this process runs (native_build.chosen_variant: the
 CPU's best, or `RADIXLM_ISA`); None with `RADIXLM_NATIVE=0`, without a C compiler, or when the
@@ -39,21 +41,25 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from radixlm.cache.kv_pool import KVScales
 from radixlm.model import native_build
 from radixlm.model.native_abi import NativeError, NativeFunction, bind
 from radixlm.model.native_layout import (
     KV_DTYPES,
+    POOL_DTYPES,
     DecodeLayout,
     DecoderShape,
     ExtendLayout,
     can_pack_skinny,
     kv_strides,
     pack_skinny,
+    scale_strides,
 )
 
 __all__ = [
     "KV_DTYPES",
     "MAX_HEAD_DIM",
+    "POOL_DTYPES",
     "SKINNY_MAX_ROWS",
     "DecodeLayout",
     "DecoderShape",
@@ -144,30 +150,42 @@ class Kernels:
         return num_rows <= NATIVE_LINEAR_ROWS or self.isa in TILED_PREFILL or not onednn_packed
 
     def decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: DecodeLayout
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        layout: DecodeLayout,
+        scales: KVScales | None = None,
     ) -> torch.Tensor:
         """q (B, H, D), one query per request (the members of `layout`, in order); k/v_cache
-        (num_slots, KV, D) -> (B, H, D). Shared runs of bfloat16 queries over a bfloat16 pool
-        use bfloat16 dot products as `extend` does."""
+        (num_slots, KV, D), with their `scales` when int8 codes -> (B, H, D). Shared runs of
+        bfloat16 queries over a bfloat16 pool use bfloat16 dot products as `extend` does."""
         units, shared, own, member_row, slots = layout.pointers
         return _attend(
-            self._fn["decode_attention"], q, k_cache, v_cache, num_units=layout.num_units,
-            units=units, shared=shared, own=own, member_row=member_row, slots=slots,
+            self._fn["decode_attention"], q, k_cache, v_cache, scales,
+            num_units=layout.num_units, units=units, shared=shared, own=own,
+            member_row=member_row, slots=slots,
         )  # fmt: skip
 
     def extend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: ExtendLayout
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        layout: ExtendLayout,
+        scales: KVScales | None = None,
     ) -> torch.Tensor:
         """q (T, H, D): the new tokens of the requests in `layout`, back to back; k/v_cache
-        (num_slots, KV, D), already holding the new tokens' K/V -> (T, H, D). Rows of q that
-        belong to no span of the layout come back uninitialised.
+        (num_slots, KV, D), with their `scales` when int8 codes, already holding the new
+        tokens' K/V -> (T, H, D). Rows of q that belong to no span of the layout come back
+        uninitialised.
 
         bfloat16 queries over a bfloat16 pool use bfloat16 dot products where the CPU has them
         (`bf16_dots`): the probabilities are rounded to bfloat16 before P V."""
         spans, slots = layout.pointers
         return _attend(
-            self._fn["extend_attention"], q, k_cache, v_cache, num_spans=layout.num_spans,
-            spans=spans, slots=slots,
+            self._fn["extend_attention"], q, k_cache, v_cache, scales,
+            num_spans=layout.num_spans, spans=spans, slots=slots,
         )  # fmt: skip
 
     def add_rms_norm(
@@ -301,19 +319,23 @@ class Kernels:
         kv_dtype: torch.dtype,
         layout: DecodeLayout,
         quant: bool = False,
+        scale_strides: tuple[int, int] = (0, 0),
     ) -> torch.Tensor:
         """A decode step through every decoder layer (csrc/decode_step.c): h (B, hidden), the
         embeddings, becomes the residual stream after the last layer (in place); returns the
         final norm of it. `weights` (num_layers, 6) int64 holds each layer's weight addresses
         (input norm, packed Wqkv, packed Wo, post-attention norm, packed Wgate_up, packed
         Wdown; with `quant`, the matmuls' quant descriptors: backend.FusedDecode), `kv`
-        (num_layers, 2) its K and V pool views' (KVPool.layer_addresses), whose
-        slot and head strides (elements) are `kv_strides` (KVPool.kv_strides); rope as
-        rope_store takes it; one token per request of `layout`."""
+        (num_layers, 4) its K and V pool views' and their scales' (KVPool.layer_addresses),
+        whose slot and head strides (elements) are `kv_strides` (KVPool.kv_strides) and, for
+        an int8 pool (kv_dtype), `scale_strides` (KVPool.scale_strides); rope as rope_store
+        takes it; one token per request of `layout`."""
         num_rows = h.shape[0]
-        if h.dtype not in KV_DTYPES or not h.is_contiguous() or kv_dtype not in KV_DTYPES:
+        if h.dtype not in KV_DTYPES or not h.is_contiguous() or kv_dtype not in POOL_DTYPES:
             raise ValueError("decode_layers runs float32 or bfloat16 models and pools")
-        tables = (weights.shape, kv.shape) == ((shape.num_layers, 6), (shape.num_layers, 2))
+        if kv_dtype == torch.int8 and (not bool(kv[:, 2:].all()) or 0 in scale_strides):
+            raise ValueError("decode_layers: an int8 pool without its scales")
+        tables = (weights.shape, kv.shape) == ((shape.num_layers, 6), (shape.num_layers, 4))
         if num_rows < 1 or not tables or {weights.dtype, kv.dtype} != {torch.int64}:
             raise ValueError(f"decode_layers: {num_rows} rows, tables {weights.shape} {kv.shape}")
         if layout.member_row.numel() != num_rows:
@@ -326,15 +348,16 @@ class Kernels:
         cos, sin = (t.contiguous() for t in rope)
         slots = out_slots.to(torch.int64).contiguous()
         bf16 = h.dtype == torch.bfloat16
-        kv_mode = int(kv_dtype == torch.bfloat16) * (2 if bf16 else 1)
         x = torch.empty_like(h)
         units, shared, own, member_row, slot_lists = layout.pointers
         self._fn["decode_layers"](
             h=h.data_ptr(), x=x.data_ptr(), layers=weights.data_ptr(), kv=kv.data_ptr(),
-            slot_stride=slot, head_stride=head, final_norm=final_norm.data_ptr(),
+            slot_stride=slot, head_stride=head, scales_slot_stride=scale_strides[0],
+            scales_head_stride=scale_strides[1], final_norm=final_norm.data_ptr(),
             num_layers=shape.num_layers, B=num_rows, hidden=shape.hidden,
             num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, head_dim=d,
-            inter=shape.intermediate, eps=shape.eps, bf16=int(bf16), kv_mode=kv_mode,
+            inter=shape.intermediate, eps=shape.eps, bf16=int(bf16),
+            kv_mode=_kv_mode(kv_dtype, h.dtype),
             scale=d**-0.5, cos=cos.data_ptr(), sin=sin.data_ptr(), out_slots=slots.data_ptr(),
             num_units=layout.num_units, units=units, shared=shared, own=own,
             member_row=member_row, slots=slot_lists, quant=int(quant),
@@ -365,8 +388,11 @@ class Kernels:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         num_heads: int,
+        scales: KVScales | None = None,
     ) -> torch.Tensor:
-        """Rotate the new tokens' q and k and write k, v into the pool at `out_slots`.
+        """Rotate the new tokens' q and k and write k, v into the pool at `out_slots`: as
+        float32 or bfloat16 values, or as int8 codes with their `scales` (kv_quant.py's
+        arithmetic, in C).
 
         qkv (T, (H + 2 KV) * D) float32 or bfloat16, the stacked projection; rope: (cos,
         sign-folded sin), each (T, 1, D) float32 (rope.rope_cos_sin). Arithmetic is float32.
@@ -377,32 +403,60 @@ class Kernels:
             raise ValueError("rope_store takes float32 or bfloat16 rows of the qkv projection")
         if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
             raise ValueError(f"qkv rows of {qkv.shape[1]} do not hold {num_heads} query heads")
-        if k_cache.dtype not in KV_DTYPES:
-            raise ValueError("the native kernels read float32 or bfloat16 K/V")
         strides = kv_strides(k_cache, v_cache)
+        k_scales, v_scales, scale_stride = _scales_of(k_cache, v_cache, scales)
         q = qkv.new_empty(num_tokens, num_heads, head_dim)
         slots = out_slots.to(torch.int64).contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
-        kv_bf16, qkv_bf16 = int(k_cache.dtype == torch.bfloat16), int(qkv.dtype == torch.bfloat16)
         self._fn["rope_store"](
             qkv=qkv.data_ptr(), num_tokens=num_tokens, row_stride=qkv.stride(0),
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             slot_stride=strides[0], head_stride=strides[1], cos=cos.data_ptr(),
             sin=sin.data_ptr(), out_slots=slots.data_ptr(), k=k_cache.data_ptr(),
-            v=v_cache.data_ptr(), kv_bf16=kv_bf16, qkv_bf16=qkv_bf16, q_out=q.data_ptr(),
-            num_threads=torch.get_num_threads(),
+            v=v_cache.data_ptr(), k_scales=k_scales, v_scales=v_scales,
+            scales_slot_stride=scale_stride[0], scales_head_stride=scale_stride[1],
+            kv_mode=_kv_mode(k_cache.dtype, qkv.dtype), qkv_bf16=int(qkv.dtype == torch.bfloat16),
+            q_out=q.data_ptr(), num_threads=torch.get_num_threads(),
         )  # fmt: skip
         return q
 
 
+def _kv_mode(kv_dtype: torch.dtype, q_dtype: torch.dtype) -> int:
+    """The kernels' kv_mode: 0 float32 K/V, 1 bfloat16 K/V, 2 bfloat16 K/V and queries (a
+    bfloat16 model: the kernels may use bfloat16 dot products), 3 int8 codes with scales
+    (float32 arithmetic), 4 int8 codes and bfloat16 queries (the decode row path's Q K^T in
+    bfloat16 dot products where the CPU has them: the codes are exact in bfloat16)."""
+    if kv_dtype == torch.int8:
+        return 4 if q_dtype == torch.bfloat16 else 3
+    return int(kv_dtype == torch.bfloat16) * (2 if q_dtype == torch.bfloat16 else 1)
+
+
+def _scales_of(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, scales: KVScales | None
+) -> tuple[int | None, int | None, tuple[int, int]]:
+    """(K scales' address, V scales' address, their strides) for a pool layer: None and (0, 0)
+    for float K/V; ValueError for a dtype the kernels do not read, or int8 without scales."""
+    if k_cache.dtype not in POOL_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"the native kernels read float32, bfloat16 or int8 K/V: {k_cache.dtype}")
+    if k_cache.dtype != torch.int8:
+        return None, None, (0, 0)
+    if scales is None:
+        raise ValueError("int8 K/V need their scales")
+    strides = scale_strides(k_cache, scales.k, scales.v)
+    return scales.k.data_ptr(), scales.v.data_ptr(), strides
+
+
 def _attend(
-    fn: NativeFunction, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, **layout: int
+    fn: NativeFunction,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scales: KVScales | None,
+    **layout: int,
 ) -> torch.Tensor:
-    """Call an attention kernel (decode or extend: same leading arguments) -> out in q's dtype.
-    kv_mode: 0 float32 K/V, 1 bfloat16 K/V, 2 bfloat16 K/V and queries (a bfloat16 model: the
-    kernels may use bfloat16 dot products)."""
-    if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"the native kernels read float32 or bfloat16 K/V: {k_cache.dtype}")
+    """Call an attention kernel (decode or extend: same leading arguments) -> out in q's dtype
+    (kv_mode: `_kv_mode`)."""
+    k_scales, v_scales, scale_stride = _scales_of(k_cache, v_cache, scales)
     strides = kv_strides(k_cache, v_cache)
     if q.device.type != "cpu" or k_cache.device.type != "cpu":
         raise ValueError("the native kernels run on CPU tensors")
@@ -413,11 +467,12 @@ def _attend(
         raise ValueError(f"{num_heads} query heads do not divide into {num_kv_heads} KV heads")
     q32 = q.to(torch.float32).contiguous()
     out = torch.empty_like(q32)
-    kv_mode = int(k_cache.dtype == torch.bfloat16) * (2 if q.dtype == torch.bfloat16 else 1)
     fn(
-        q=q32.data_ptr(), k=k_cache.data_ptr(), v=v_cache.data_ptr(), out=out.data_ptr(),
-        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        slot_stride=strides[0], head_stride=strides[1], kv_mode=kv_mode, scale=head_dim**-0.5,
+        q=q32.data_ptr(), k=k_cache.data_ptr(), v=v_cache.data_ptr(), k_scales=k_scales,
+        v_scales=v_scales, out=out.data_ptr(), num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, slot_stride=strides[0], head_stride=strides[1],
+        scales_slot_stride=scale_stride[0], scales_head_stride=scale_stride[1],
+        kv_mode=_kv_mode(k_cache.dtype, q.dtype), scale=head_dim**-0.5,
         num_threads=torch.get_num_threads(), **layout,
     )  # fmt: skip
     return out.to(q.dtype)

@@ -15,9 +15,10 @@ P, I64, F32, I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
 # The leading arguments of both attention kernels (decode_attention.c, extend_attention.c).
 _ATTENTION = (
-    ("q", P), ("k", P), ("v", P), ("out", P),
+    ("q", P), ("k", P), ("v", P), ("k_scales", P), ("v_scales", P), ("out", P),
     ("num_heads", I64), ("num_kv_heads", I64), ("head_dim", I64),
-    ("slot_stride", I64), ("head_stride", I64), ("kv_mode", I32), ("scale", F32),
+    ("slot_stride", I64), ("head_stride", I64), ("scales_slot_stride", I64),
+    ("scales_head_stride", I64), ("kv_mode", I32), ("scale", F32),
 )  # fmt: skip
 _DECODE_LAYOUT = (
     ("num_units", I64), ("units", P), ("shared", P), ("own", P), ("member_row", P),
@@ -32,8 +33,9 @@ SIGNATURES: dict[str, tuple[tuple[str, Any], ...]] = {
     "rope_store": (
         ("qkv", P), ("num_tokens", I64), ("row_stride", I64), ("num_heads", I64),
         ("num_kv_heads", I64), ("head_dim", I64), ("slot_stride", I64), ("head_stride", I64),
-        ("cos", P), ("sin", P), ("out_slots", P), ("k", P), ("v", P), ("kv_bf16", I32),
-        ("qkv_bf16", I32), ("q_out", P), ("num_threads", I32),
+        ("cos", P), ("sin", P), ("out_slots", P), ("k", P), ("v", P), ("k_scales", P),
+        ("v_scales", P), ("scales_slot_stride", I64), ("scales_head_stride", I64),
+        ("kv_mode", I32), ("qkv_bf16", I32), ("q_out", P), ("num_threads", I32),
     ),
     "add_rms_norm": (
         ("h", P), ("delta", P), ("weight", P), ("out", P), ("num_tokens", I64),
@@ -49,7 +51,8 @@ SIGNATURES: dict[str, tuple[tuple[str, Any], ...]] = {
     ),
     "decode_layers": (
         ("h", P), ("x", P), ("layers", P), ("kv", P), ("slot_stride", I64),
-        ("head_stride", I64), ("final_norm", P), ("num_layers", I64), ("B", I64),
+        ("head_stride", I64), ("scales_slot_stride", I64), ("scales_head_stride", I64),
+        ("final_norm", P), ("num_layers", I64), ("B", I64),
         ("hidden", I64), ("num_heads", I64), ("num_kv_heads", I64), ("head_dim", I64),
         ("inter", I64), ("eps", F32), ("bf16", I32), ("kv_mode", I32), ("scale", F32),
         ("cos", P), ("sin", P), ("out_slots", P), *_DECODE_LAYOUT, ("quant", I32),

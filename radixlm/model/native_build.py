@@ -45,6 +45,7 @@ SOURCES = [
         "decode_attention.c",
         "decode_attention_bf16.c",
         "decode_attention_dots.c",
+        "decode_attention_i8.c",
         "extend_attention.c",
         "rope_store.c",
         "rms_norm.c",
@@ -69,7 +70,12 @@ LINK_FLAGS = ("-fopenmp", "-shared")
 # reassociation regroups a row's sums differently as the number of rows in a chunk changes.
 SOURCE_FLAGS = {
     name: ("-fno-associative-math",)
-    for name in ("decode_attention.c", "decode_attention_bf16.c", "decode_attention_dots.c")
+    for name in (
+        "decode_attention.c",
+        "decode_attention_bf16.c",
+        "decode_attention_dots.c",
+        "decode_attention_i8.c",
+    )
 }
 X86 = platform.machine() in ("x86_64", "AMD64")
 

@@ -10,7 +10,9 @@ import torch
 
 from radixlm import hugepages
 
-KV_DTYPES = (torch.float32, torch.bfloat16)  # pool dtypes the kernels read
+# the float dtypes the kernels read and compute in: of models, activations and float pools
+KV_DTYPES = (torch.float32, torch.bfloat16)
+POOL_DTYPES = (*KV_DTYPES, torch.int8)  # pool dtypes the kernels read (int8: with scales)
 
 
 @dataclass(frozen=True)
@@ -115,3 +117,19 @@ def kv_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
     if (slot, head) not in ((num_kv_heads * head_dim, head_dim), (head_dim, num_slots * head_dim)):
         raise ValueError(f"K/V pool views must be slot- or head-major: strides {strides}")
     return slot, head
+
+
+def scale_strides(
+    k_cache: torch.Tensor, k_scales: torch.Tensor, v_scales: torch.Tensor
+) -> tuple[int, int]:
+    """(slot, head) strides in elements of an int8 pool layer's scale views (num_slots, kv),
+    bfloat16, laid out as its codes are (KVPool): slot- or head-major, K and V alike."""
+    num_slots, num_kv_heads, _ = k_cache.shape
+    strides = k_scales.stride()
+    if k_scales.shape != (num_slots, num_kv_heads) or v_scales.shape != k_scales.shape:
+        raise ValueError(f"scales shaped {tuple(k_scales.shape)} for K/V {tuple(k_cache.shape)}")
+    if {k_scales.dtype, v_scales.dtype} != {torch.bfloat16} or v_scales.stride() != strides:
+        raise ValueError("int8 K/V scales must be bfloat16 views laid out alike")
+    if strides not in ((num_kv_heads, 1), (1, num_slots)):
+        raise ValueError(f"scale views must be slot- or head-major: strides {strides}")
+    return strides[0], strides[1]

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from radixlm.cache.kv_pool import LayerKV
 from radixlm.model.kv_gather import PaddedRuns
 
 # A run shorter than this is not worth a second attention call.
@@ -94,30 +95,29 @@ def plan_shared_decode(slot_lists: list[torch.Tensor], num_kv_heads: int) -> Sha
 
 def shared_decode_attention(
     qs: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    layer: LayerKV,
     split: SharedDecode,
     buffers: tuple[torch.Tensor, torch.Tensor],
 ) -> torch.Tensor:
-    """qs (B, kv, G, D): one query per request, its G heads per KV head -> (B, kv, G, D)."""
-    k_buf, v_buf = buffers
+    """qs (B, kv, G, D): one query per request, its G heads per KV head -> (B, kv, G, D); layer:
+    this layer of the pool."""
     out = torch.empty_like(qs)
     if split.others is not None and split.own_others is not None:  # no LSE needed: plain SDPA
         runs = split.own_others
-        ks, vs = runs.gather(k_cache, k_buf, qs.dtype), runs.gather(v_cache, v_buf, qs.dtype)
+        ks, vs = runs.gather_kv(layer, buffers, qs.dtype)
         out[split.others] = F.scaled_dot_product_attention(
             qs[split.others], ks, vs, attn_mask=runs.key_mask
         )
     q_grouped = qs[split.grouped]  # (M, kv, G, D)
     runs = split.own_grouped
-    ks, vs = runs.gather(k_cache, k_buf, qs.dtype), runs.gather(v_cache, v_buf, qs.dtype)
+    ks, vs = runs.gather_kv(layer, buffers, qs.dtype)
     o_own, lse_own = attention_with_lse(q_grouped, ks, vs, runs.key_mask)  # (M,kv,G,D), (M,kv,G)
     num_groups, n_max = split.query_index.shape
     _, kv, g, d = q_grouped.shape
     q_stack = q_grouped[split.query_index]  # (groups, n_max, kv, G, D)
     q_stack = q_stack.permute(0, 2, 1, 3, 4).reshape(num_groups, kv, n_max * g, d)
     runs = split.runs
-    ks, vs = runs.gather(k_cache, k_buf, qs.dtype), runs.gather(v_cache, v_buf, qs.dtype)
+    ks, vs = runs.gather_kv(layer, buffers, qs.dtype)
     o_run, lse_run = attention_with_lse(q_stack, ks, vs, runs.key_mask)  # (groups,kv,n_max*G,.)
     o_run = o_run.view(num_groups, kv, n_max, g, d).permute(0, 2, 1, 3, 4).reshape(-1, kv, g, d)
     lse_run = lse_run.view(num_groups, kv, n_max, g).permute(0, 2, 1, 3).reshape(-1, kv, g)

@@ -135,8 +135,8 @@ class Attention(nn.Module):
         backend = ctx.backend
         qkv = backend.linear(self.qkv_proj, x)  # (T, q_size + 2 * kv_size)
         roped = backend.rope_store(self, qkv, ctx)
-        k_cache, v_cache = ctx.pool.k_cache(self.layer_id), ctx.pool.v_cache(self.layer_id)
-        return backend.linear(self.o_proj, backend.attend(roped, k_cache, v_cache, ctx.plan))
+        out = backend.attend(roped, ctx.pool.layer(self.layer_id), ctx.plan)
+        return backend.linear(self.o_proj, out)
 
 
 class MLP(nn.Module):

@@ -1,12 +1,16 @@
 """KV copies between the slot pool and extent payloads (the disk tier's unit, cache/l2/node.py).
 
 A payload is one extent's K and V for every layer, contiguous: (2, layers, tokens, kv_heads,
-head_dim) in the pool's dtype, 64 tokens (fewer in a tail extent). An extent written as its node
-leaves RAM is gathered on the engine thread (its slots are freed right after); an extent written
-through when its request finishes is gathered on the I/O thread (`StagedExtent`), from slots the
-tree still owns. Loaded extents are scattered on the I/O threads as each read is verified, so
-copies overlap the reads. A `LoadSink` is cancelled when its load ends: after `cancel()` returns
-no late read writes into slots that may have been given to another request.
+head_dim) in the pool's dtype, 64 tokens (fewer in a tail extent); an int8 pool's payload goes
+on with the rows' scales, (2, layers, tokens, kv_heads) bfloat16, so an extent read back holds
+the very bytes that were written (`pool.bytes_per_slot` per token either way).
+
+An extent written as its node leaves RAM is gathered on the engine thread (its slots are freed
+right after); an extent written through when its request finishes is gathered on the I/O thread
+(`StagedExtent`), from slots the tree still owns. Loaded extents are scattered on the I/O
+threads as each read is verified, so copies overlap the reads. A `LoadSink` is cancelled when
+its load ends: after `cancel()` returns no late read writes into slots that may have been given
+to another request.
 """
 
 from __future__ import annotations
@@ -24,11 +28,14 @@ def gather_extent(pool: KVPool, slots: np.ndarray) -> memoryview:
     """The payload of one extent whose tokens' KV is in `slots` (a fresh buffer, not a copy of
     the pool: the slots may be reused at once)."""
     idx, dim = torch.from_numpy(slots), _slot_dim(pool)
-    k, v = pool.k.index_select(dim, idx), pool.v.index_select(dim, idx)
-    if pool.head_major:  # (L, H, n, D) -> (L, n, H, D)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
-    both = torch.stack([k, v]).contiguous()  # (2, L, n, H, D)
-    return both.view(torch.uint8).numpy().reshape(-1).data
+    parts = []
+    for k_all, v_all in _pool_tensors(pool):  # the values (or codes), then any scales
+        k, v = k_all.index_select(dim, idx), v_all.index_select(dim, idx)
+        if pool.head_major:  # (L, H, n, ...) -> (L, n, H, ...)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+        both = torch.stack([k, v]).contiguous()  # (2, L, n, H, D), or (2, L, n, H) for scales
+        parts.append(both.view(torch.uint8).reshape(-1))
+    return torch.cat(parts).numpy().data
 
 
 class StagedExtent:
@@ -70,7 +77,6 @@ class LoadSink:
 
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
-        self.shape = (2, pool.num_layers, -1, pool.num_kv_heads, pool.head_dim)
         self.dim = _slot_dim(pool)
         self._lock = threading.Lock()  # held while an extent is copied and by cancel
         self._cancelled = False
@@ -78,18 +84,28 @@ class LoadSink:
     def extent(self, slots: np.ndarray, skip: int) -> Callable[[bytearray], None]:
         """The sink of one extent: its tokens from `skip` on go to `slots` (the first `skip`
         tokens were in RAM already)."""
-        idx = torch.from_numpy(slots)
+        idx, pool = torch.from_numpy(slots), self.pool
 
         def copy(payload: bytearray) -> None:
-            kv = torch.frombuffer(payload, dtype=torch.uint8).view(self.pool.dtype)
-            k, v = kv.view(self.shape)[:, :, skip:]  # (L, n, H, D) each
-            if self.pool.head_major:
-                k, v = k.transpose(1, 2), v.transpose(1, 2)
+            raw = torch.frombuffer(payload, dtype=torch.uint8)
+            num_tokens = raw.numel() // pool.bytes_per_slot
+            pieces, at = [], 0
+            for k_all, v_all in _pool_tensors(pool):
+                row = k_all.shape[3:]  # (D,) for values or codes, () for scales
+                shape = (2, pool.num_layers, num_tokens, pool.num_kv_heads, *row)
+                size = 2 * pool.num_layers * num_tokens * pool.num_kv_heads * row.numel()
+                nbytes = size * k_all.element_size()
+                k, v = raw[at : at + nbytes].view(k_all.dtype).view(shape)[:, :, skip:]
+                if pool.head_major:  # (L, n, H, ...) -> (L, H, n, ...)
+                    k, v = k.transpose(1, 2), v.transpose(1, 2)
+                pieces.append((k_all, v_all, k, v))
+                at += nbytes
             with self._lock:
                 if self._cancelled:
                     return
-                self.pool.k.index_copy_(self.dim, idx, k)  # every layer in one call
-                self.pool.v.index_copy_(self.dim, idx, v)
+                for k_all, v_all, k, v in pieces:  # every layer in one call
+                    k_all.index_copy_(self.dim, idx, k)
+                    v_all.index_copy_(self.dim, idx, v)
 
         return copy
 
@@ -97,6 +113,15 @@ class LoadSink:
         """No extent is copied after this returns."""
         with self._lock:
             self._cancelled = True
+
+
+def _pool_tensors(pool: KVPool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The pool's (K, V) tensor pairs in payload order: the values or codes, then an int8
+    pool's scales."""
+    pairs = [(pool.k, pool.v)]
+    if pool.k_scales is not None and pool.v_scales is not None:
+        pairs.append((pool.k_scales, pool.v_scales))
+    return pairs
 
 
 def _slot_dim(pool: KVPool) -> int:

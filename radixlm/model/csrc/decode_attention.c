@@ -22,12 +22,17 @@
 
    Layouts (contiguous; q, out float32; k, v float32 (kv_mode 0) or bfloat16 (kv_mode 1; 2: a
    bfloat16 model, whose Q K^T, and the shared runs' P V, use bfloat16 dot products where the
-   CPU has them)):
+   CPU has them) or int8 codes (kv_mode 3: float32 arithmetic on code * scale; 4: a bfloat16
+   model, whose row path takes Q K^T over the codes in bfloat16 dot products where the CPU has
+   them)):
      q, out     (B, H, D)             B requests, H query heads; heads h*G .. h*G+G-1 read kv head h
      k, v       (num_slots, KV, D)    one layer of the pool, as a view: slot s, kv head h at
                                       element s * slot_stride + h * head_stride (KVPool keeps
                                       its CPU pools head-major: slot_stride D, head_stride
                                       num_slots * D, each head's rows contiguous)
+     k_scales,  (num_slots, KV)       kv_mode 3, 4: each row's bfloat16 scale, slot s, kv head h at
+     v_scales                         element s * scales_slot_stride + h * scales_head_stride
+                                      (unused, and may be NULL, for float pools)
      units      num_units + 1 offsets into the member arrays; unit u = members [units[u], units[u+1])
      shared     (num_units, 2)        offset into `slots` and length of the unit's shared run
      own        (B, 2)                offset and length of each member's own slots (after the run)
@@ -36,35 +41,41 @@
 #include "decode_task.h"
 
 /* Literal head sizes let the compiler unroll and specialise the loops; a bfloat16 pool's tasks
-   are built in decode_attention_bf16.c. */
+   are built in decode_attention_bf16.c, an int8 pool's in decode_attention_i8.c. */
 static void run_task_dispatch(const Batch *b, const KeySource *src, int64_t u, int64_t head,
                               int64_t part, int64_t D, int kv_mode)
 {
-    if (kv_mode) decode_task_bf16(b, src, u, head, part, D, kv_mode);
-    else if (D == 64) run_task(b, src, u, head, part, 64, 0, 0, 1);
-    else if (D == 128) run_task(b, src, u, head, part, 128, 0, 0, 1);
-    else run_task(b, src, u, head, part, D, 0, 0, 0);
+    if (kv_mode >= 3) decode_task_i8(b, src, u, head, part, D, kv_mode);
+    else if (kv_mode) decode_task_bf16(b, src, u, head, part, D, kv_mode);
+    else if (D == 64) run_task(b, src, u, head, part, 64, KV_F32, 0, 1);
+    else if (D == 128) run_task(b, src, u, head, part, 128, KV_F32, 0, 1);
+    else run_task(b, src, u, head, part, D, KV_F32, 0, 0);
 }
 
-int decode_attention(const float *q, const void *k, const void *v, float *out, int64_t num_heads,
-                     int64_t num_kv_heads, int64_t head_dim, int64_t slot_stride,
-                     int64_t head_stride, int kv_mode, float scale,
-                     int64_t num_units, const int64_t *units, const int64_t *shared,
+int decode_attention(const float *q, const void *k, const void *v, const void *k_scales,
+                     const void *v_scales, float *out, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, int64_t slot_stride, int64_t head_stride,
+                     int64_t scales_slot_stride, int64_t scales_head_stride, int kv_mode,
+                     float scale, int64_t num_units, const int64_t *units, const int64_t *shared,
                      const int64_t *own, const int64_t *member_row, const int64_t *slots,
                      int num_threads)
 {
     if (num_heads % num_kv_heads != 0) return 1;
     if (head_dim % 16 != 0 || head_dim > 256) return 2; /* whole vectors */
+    if (kv_mode < 0 || kv_mode > 4 || (kv_mode >= 3 && (k_scales == NULL || v_scales == NULL)))
+        return 3;
     const int64_t group = num_heads / num_kv_heads, tasks = num_units * num_kv_heads;
     /* fewer tasks than a few per thread: one per query head where that is allowed (Batch) */
     const int64_t splits = tasks < 2 * num_threads ? group : 1;
     const Batch batch = {q,     out,    num_heads, group, scale * LOG2E, units,
                          shared, own, member_row, slots, splits}; /* scores in log2 units */
-    const int64_t elem = kv_mode ? 2 : 4;
+    const int64_t elem = kv_mode >= 3 ? 1 : kv_mode ? 2 : 4;
+    const char *ks = kv_mode >= 3 ? k_scales : NULL, *vs = kv_mode >= 3 ? v_scales : NULL;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t t = 0; t < tasks * splits; t++) {
         const int64_t head = t / splits % num_kv_heads;
-        const KeySource src = {k, v, slot_stride * elem, head * head_stride * elem};
+        const KeySource src = {k, v, slot_stride * elem, head * head_stride * elem,
+                               ks, vs, scales_slot_stride * 2, head * scales_head_stride * 2};
         run_task_dispatch(&batch, &src, t / splits / num_kv_heads, head, t % splits, head_dim,
                           kv_mode);
     }

@@ -25,10 +25,12 @@
 
    Layouts: h, x (B, hidden) in the model's dtype (float32, or bfloat16 when `bf16`); weights
    (num_layers, 6) addresses: input norm weight, packed Wqkv, packed Wo, post-attention norm
-   weight, packed Wgate_up, packed Wdown (pack_skinny's layout); kv (num_layers, 2) addresses
+   weight, packed Wgate_up, packed Wdown (pack_skinny's layout); kv (num_layers, 4) addresses
    of each layer's K and V pool views (num_slots, KV, D), strided by slot_stride and
-   head_stride (the same for every layer); final_norm (hidden,); cos, sin (B, D) float32;
-   out_slots (B,); the decode layout as decode_attention takes it.
+   head_stride (the same for every layer), and of its K and V scales (num_slots, KV), strided
+   by scales_slot_stride and scales_head_stride (an int8 pool, kv_mode 3 or 4; 0 otherwise);
+   final_norm (hidden,); cos, sin (B, D) float32; out_slots (B,); the decode layout as
+   decode_attention takes it. kv_mode as decode_attention takes it; rope_store takes the same.
 */
 #include <stdint.h>
 #include <stdlib.h>
@@ -42,12 +44,14 @@ int skinny_linear(const void *x, const void *wp, void *y, int64_t M, int64_t N, 
 int rope_store(const void *qkv, int64_t num_tokens, int64_t row_stride, int64_t num_heads,
                int64_t num_kv_heads, int64_t head_dim, int64_t slot_stride, int64_t head_stride,
                const float *cos, const float *sin,
-               const int64_t *out_slots, void *k, void *v, int kv_bf16, int qkv_bf16,
+               const int64_t *out_slots, void *k, void *v, void *k_scales, void *v_scales,
+               int64_t scales_slot_stride, int64_t scales_head_stride, int kv_mode, int qkv_bf16,
                void *q_out, int num_threads);
-int decode_attention(const float *q, const void *k, const void *v, float *out, int64_t num_heads,
-                     int64_t num_kv_heads, int64_t head_dim, int64_t slot_stride,
-                     int64_t head_stride, int kv_mode, float scale,
-                     int64_t num_units, const int64_t *units, const int64_t *shared,
+int decode_attention(const float *q, const void *k, const void *v, const void *k_scales,
+                     const void *v_scales, float *out, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, int64_t slot_stride, int64_t head_stride,
+                     int64_t scales_slot_stride, int64_t scales_head_stride, int kv_mode,
+                     float scale, int64_t num_units, const int64_t *units, const int64_t *shared,
                      const int64_t *own, const int64_t *member_row, const int64_t *slots,
                      int num_threads);
 int silu_mul(const void *gate_up, void *act, int64_t num_tokens, int64_t inter, int bf16,
@@ -112,7 +116,8 @@ static void from_float(const float *src, void *dst, int64_t n, int bf16)
     } while (0)
 
 int decode_layers(void *h, void *x, const int64_t *layers, const int64_t *kv,
-                  int64_t slot_stride, int64_t head_stride, const void *final_norm, int64_t num_layers, int64_t B, int64_t hidden,
+                  int64_t slot_stride, int64_t head_stride, int64_t scales_slot_stride,
+                  int64_t scales_head_stride, const void *final_norm, int64_t num_layers, int64_t B, int64_t hidden,
                   int64_t num_heads,
                   int64_t num_kv_heads, int64_t head_dim, int64_t inter, float eps, int bf16,
                   int kv_mode, float scale, const float *cos, const float *sin,
@@ -146,16 +151,18 @@ int decode_layers(void *h, void *x, const int64_t *layers, const int64_t *kv,
                        num_threads));
     for (int64_t l = 0; l < num_layers; l++) {
         const int64_t *w = layers + l * PER_LAYER;
-        void *k = (void *)kv[2 * l], *v = (void *)kv[2 * l + 1];
+        void *k = (void *)kv[4 * l], *v = (void *)kv[4 * l + 1];
+        void *k_scales = (void *)kv[4 * l + 2], *v_scales = (void *)kv[4 * l + 3];
         CHECK(linear(x, (const int64_t *)w[QKV], qkv, B, qkv_size, hidden, bf16, quant, &rows,
                      num_threads));
         CHECK(rope_store(qkv, B, qkv_size, num_heads, num_kv_heads, head_dim, slot_stride,
-                         head_stride, cos, sin, out_slots, k, v, kv_mode != 0, bf16, q,
-                         num_threads));
+                         head_stride, cos, sin, out_slots, k, v, k_scales, v_scales,
+                         scales_slot_stride, scales_head_stride, kv_mode, bf16, q, num_threads));
         to_float(q, q32, B * q_size, bf16);
-        CHECK(decode_attention(q32, k, v, o32, num_heads, num_kv_heads, head_dim, slot_stride,
-                               head_stride, kv_mode, scale, num_units, units, shared, own,
-                               member_row, slots, num_threads));
+        CHECK(decode_attention(q32, k, v, k_scales, v_scales, o32, num_heads, num_kv_heads,
+                               head_dim, slot_stride, head_stride, scales_slot_stride,
+                               scales_head_stride, kv_mode, scale, num_units, units, shared,
+                               own, member_row, slots, num_threads));
         from_float(o32, o, B * q_size, bf16);
         CHECK(linear(o, (const int64_t *)w[O], delta, B, hidden, q_size, bf16, quant, &rows,
                      num_threads));

@@ -1,8 +1,8 @@
 /* The per-task loops of the decode attention kernel (decode_attention.c describes it). A header
-   so that the literal builds of run_task compile as three units in parallel: decode_attention.c
+   so that the literal builds of run_task compile as four units in parallel: decode_attention.c
    holds the float32 K/V builds and the entry point, decode_attention_bf16.c the bfloat16 ones,
-   decode_attention_dots.c those with bfloat16 dot products (one unit with all of them was most
-   of the avx512 library's build time). */
+   decode_attention_dots.c those with bfloat16 dot products, decode_attention_i8.c the int8 ones
+   (one unit with all of them was most of the avx512 library's build time). */
 #ifndef RADIXLM_DECODE_TASK_H
 #define RADIXLM_DECODE_TASK_H
 
@@ -15,41 +15,57 @@
    pays off only over enough rows (measured crossover, float32 and bfloat16; docs/kernels.md). */
 #define TILE_MIN_ROWS 16
 
-/* The K and V row addresses of keys slots[from .. from + count), for this task's head. */
+/* The K and V row addresses of keys slots[from .. from + count), for this task's head; for
+   int8 rows (src->ks set) also their scales' addresses, in k_sc / v_sc. */
 ALWAYS_INLINE void row_addresses(const KeySource *src, const int64_t *slots, int64_t from,
-                                 int64_t count, const char **k_rows, const char **v_rows)
+                                 int64_t count, const char **k_rows, const char **v_rows,
+                                 const char **k_sc, const char **v_sc)
 {
     for (int64_t j = 0; j < count; j++) {
         const int64_t at = slots[from + j] * src->row_bytes + src->head_offset;
         k_rows[j] = src->k + at;
         v_rows[j] = src->v + at;
+        if (src->ks != NULL) {
+            k_sc[j] = src->ks + scale_offset(src, slots[from + j]);
+            v_sc[j] = src->vs + scale_offset(src, slots[from + j]);
+        }
     }
 }
 
-ALWAYS_INLINE void prefetch_row(const char *k_row, const char *v_row, int64_t row_bytes)
+/* One key's K and V rows (row_bytes each) and, for int8 rows (k_sc not NULL), their scales. */
+ALWAYS_INLINE void prefetch_row(const char *k_row, const char *v_row, int64_t row_bytes,
+                                const char *k_sc, const char *v_sc)
 {
     for (int64_t b = 0; b < row_bytes; b += 64) { /* one cache line at a time */
         __builtin_prefetch(k_row + b);
         __builtin_prefetch(v_row + b);
     }
+    if (k_sc != NULL) {
+        __builtin_prefetch(k_sc);
+        __builtin_prefetch(v_sc);
+    }
 }
 
 #define MAX_VECTORS (256 / VL) /* head_dim up to 256 */
 
-/* Floats d .. d+VL of a K/V row as one vector (bfloat16 widened by a shift). */
-ALWAYS_INLINE vf load_kv(const char *row, int64_t d, const int bf16)
+/* Elements d .. d+VL of a K/V row as one float32 vector (bfloat16 widened by a shift; int8
+   codes converted, their row's scale not applied). */
+ALWAYS_INLINE vf load_kv(const char *row, int64_t d, const int kind)
 {
-    return bf16 ? load_bf16v((const uint16_t *)row + d) : loadv((const float *)row + d);
+    if (kind == KV_I8) return load_i8v((const int8_t *)row + d);
+    return kind == KV_BF16 ? load_bf16v((const uint16_t *)row + d) : loadv((const float *)row + d);
 }
 
-/* Online-softmax update of nb query rows (q, pre-scaled) with one chunk of keys; prefetches
-   the next chunk's rows (next_k, next_v) as it goes.
+/* Online-softmax update of nb query rows (q, pre-scaled) with one chunk of float32 or bfloat16
+   keys (`kind`); prefetches the next chunk's rows (next_k, next_v, and next_ks, next_vs: their
+   scales, for int8 rows) as it goes.
    Row by row: the query row (scores) and the output row (P V) stay in vector registers while
    the chunk's K and V rows, in L1 by now, stream past. */
 ALWAYS_INLINE void update_rows(const char *const *k_rows, const char *const *v_rows,
                                int64_t count, const float *q, int64_t nb, float *acc, float *m,
-                               float *l, const int64_t D, const int bf16,
+                               float *l, const int64_t D, const int kind,
                                const char *const *next_k, const char *const *next_v,
+                               const char *const *next_ks, const char *const *next_vs,
                                int64_t next_count, int64_t next_bytes)
 {
     const int64_t nv = D / VL;
@@ -62,18 +78,20 @@ ALWAYS_INLINE void update_rows(const char *const *k_rows, const char *const *v_r
             vf dots[VL];
             for (int t = 0; t < VL; t++) {
                 if (i == 0 && j + t < next_count) /* the next chunk's rows, one key at a time */
-                    prefetch_row(next_k[j + t], next_v[j + t], next_bytes);
-                dots[t] = qv[0] * load_kv(k_rows[j + t], 0, bf16);
+                    prefetch_row(next_k[j + t], next_v[j + t], next_bytes,
+                                 next_ks ? next_ks[j + t] : NULL, next_ks ? next_vs[j + t] : NULL);
+                dots[t] = qv[0] * load_kv(k_rows[j + t], 0, kind);
                 for (int64_t c = 1; c < nv; c++)
-                    dots[t] += qv[c] * load_kv(k_rows[j + t], VL * c, bf16);
+                    dots[t] += qv[c] * load_kv(k_rows[j + t], VL * c, kind);
             }
             storev(s + j, sums_of(dots));
         }
         for (; j < count; j++) { /* the chunk's last keys, one at a time */
             if (i == 0 && j < next_count)
-                prefetch_row(next_k[j], next_v[j], next_bytes);
-            vf dot = qv[0] * load_kv(k_rows[j], 0, bf16);
-            for (int64_t c = 1; c < nv; c++) dot += qv[c] * load_kv(k_rows[j], VL * c, bf16);
+                prefetch_row(next_k[j], next_v[j], next_bytes, next_ks ? next_ks[j] : NULL,
+                             next_ks ? next_vs[j] : NULL);
+            vf dot = qv[0] * load_kv(k_rows[j], 0, kind);
+            for (int64_t c = 1; c < nv; c++) dot += qv[c] * load_kv(k_rows[j], VL * c, kind);
             s[j] = hsum(dot);
         }
         float top = m[i];
@@ -91,36 +109,43 @@ ALWAYS_INLINE void update_rows(const char *const *k_rows, const char *const *v_r
             a[c] = loadv(acc + i * D + VL * c) * alpha;
         }
         for (int64_t j = 0; j < count; j++) /* acc += p V */
-            for (int64_t c = 0; c < nv; c++) a[c] += s[j] * load_kv(v_rows[j], VL * c, bf16);
+            for (int64_t c = 0; c < nv; c++) a[c] += s[j] * load_kv(v_rows[j], VL * c, kind);
         for (int64_t c = 0; c < nv; c++) storev(acc + i * D + VL * c, a[c]);
     }
 }
 
-/* update_rows for a chunk of keys; bfloat16 K/V are widened once for all nb rows first (not
-   once per row: row by row, the widening cost more than the dot products). */
+/* update_rows for a chunk of keys (k_sc / v_sc: the int8 rows' scale addresses, and next_ks /
+   next_vs the next chunk's; NULL for float rows). bfloat16 K/V are widened once for all nb rows
+   first (not once per row: row by row, the widening cost more than the dot products); int8
+   rows are dequantized so, whatever nb (exactly: code * scale fits float32). */
 ALWAYS_INLINE void update_block(const char *const *k_rows, const char *const *v_rows,
+                                const char *const *k_sc, const char *const *v_sc,
                                 int64_t count, const float *q, int64_t nb, float *acc, float *m,
-                                float *l, const int64_t D, const int bf16,
+                                float *l, const int64_t D, const int kind,
                                 const char *const *next_k, const char *const *next_v,
+                                const char *const *next_ks, const char *const *next_vs,
                                 int64_t next_count)
 {
-    const int64_t next_bytes = D * (bf16 ? 2 : 4);
-    if (!bf16 || nb == 1) {
-        update_rows(k_rows, v_rows, count, q, nb, acc, m, l, D, bf16, next_k, next_v, next_count,
-                    next_bytes);
+    const int64_t next_bytes = D * kv_elem(kind);
+    if (kind == KV_F32 || (kind == KV_BF16 && nb == 1)) {
+        update_rows(k_rows, v_rows, count, q, nb, acc, m, l, D, kind, next_k, next_v, next_ks,
+                    next_vs, next_count, next_bytes);
         return;
     }
     float wide[2][CHUNK * 256]; /* K, V rows as float32 */
     const char *kw[CHUNK], *vw[CHUNK];
     for (int64_t j = 0; j < count; j++) {
+        const float sk = kind == KV_I8 ? scale_at(k_sc[j], 0) : 1.0f;
+        const float sv = kind == KV_I8 ? scale_at(v_sc[j], 0) : 1.0f;
         for (int64_t c = 0; c < D / VL; c++) {
-            storev(wide[0] + j * D + VL * c, load_kv(k_rows[j], VL * c, 1));
-            storev(wide[1] + j * D + VL * c, load_kv(v_rows[j], VL * c, 1));
+            storev(wide[0] + j * D + VL * c, load_kv(k_rows[j], VL * c, kind) * sk);
+            storev(wide[1] + j * D + VL * c, load_kv(v_rows[j], VL * c, kind) * sv);
         }
         kw[j] = (const char *)(wide[0] + j * D);
         vw[j] = (const char *)(wide[1] + j * D);
     }
-    update_rows(kw, vw, count, q, nb, acc, m, l, D, 0, next_k, next_v, next_count, next_bytes);
+    update_rows(kw, vw, count, q, nb, acc, m, l, D, KV_F32, next_k, next_v, next_ks, next_vs,
+                next_count, next_bytes);
 }
 
 /* n query rows (contiguous, pre-scaled) attend to the keys slots[0 .. len): each K/V row is
@@ -132,19 +157,24 @@ ALWAYS_INLINE void update_block(const char *const *k_rows, const char *const *v_
    (a burst of prefetches for a whole chunk is slower: it overflows the miss buffers). */
 ALWAYS_INLINE void attend_keys(const KeySource *src, const float *q, int64_t n,
                                const int64_t *slots, int64_t len, float *acc, float *m, float *l,
-                               const int64_t D, const int bf16)
+                               const int64_t D, const int kind)
 {
     const char *k_rows[2][CHUNK], *v_rows[2][CHUNK]; /* this chunk's and the next one's */
+    const char *k_sc[2][CHUNK], *v_sc[2][CHUNK];     /* int8: their scales */
+    const int i8 = kind == KV_I8;
     int64_t cur = 0, count = len < CHUNK ? len : CHUNK;
-    row_addresses(src, slots, 0, count, k_rows[0], v_rows[0]);
+    row_addresses(src, slots, 0, count, k_rows[0], v_rows[0], k_sc[0], v_sc[0]);
     for (int64_t j = 0; j < count; j++)
-        prefetch_row(k_rows[0][j], v_rows[0][j], D * (bf16 ? 2 : 4));
+        prefetch_row(k_rows[0][j], v_rows[0][j], D * kv_elem(kind), i8 ? k_sc[0][j] : NULL,
+                     i8 ? v_sc[0][j] : NULL);
     for (int64_t start = 0; start < len; start += CHUNK, cur ^= 1) {
         const int64_t next = start + CHUNK;
         const int64_t next_count = next >= len ? 0 : (len - next < CHUNK ? len - next : CHUNK);
-        row_addresses(src, slots, next, next_count, k_rows[cur ^ 1], v_rows[cur ^ 1]);
-        update_block(k_rows[cur], v_rows[cur], count, q, n, acc, m, l, D, bf16, k_rows[cur ^ 1],
-                     v_rows[cur ^ 1], next_count);
+        const int nx = cur ^ 1;
+        row_addresses(src, slots, next, next_count, k_rows[nx], v_rows[nx], k_sc[nx], v_sc[nx]);
+        update_block(k_rows[cur], v_rows[cur], k_sc[cur], v_sc[cur], count, q, n, acc, m, l, D,
+                     kind, k_rows[nx], v_rows[nx], i8 ? k_sc[nx] : NULL, i8 ? v_sc[nx] : NULL,
+                     next_count);
         count = next_count;
     }
 }
@@ -160,7 +190,11 @@ ALWAYS_INLINE void attend_keys(const KeySource *src, const float *q, int64_t n,
    Rows go in groups of up to ROWS, a literal count each, so accumulators stay in registers (a
    kv head's query heads: 3 for the default model; a shared run of 2 requests: 6). Faster than
    update_block on K/V in cache, where one shuffle tree per 16 keys replaces a horizontal sum
-   per key; from memory the memory is the limit either way. */
+   per key; from memory the memory is the limit either way.
+   int8 rows: a chunk's K codes are converted once for all the rows, exactly (a code has 8
+   bits): to bfloat16 for a bfloat16 model's dot products (kv_mode 4), else to float32; V codes
+   as they are read; each key's K scale multiplies its score and its V scale its probability
+   (once per key, not per element). */
 #define ROWS 8
 
 /* The tree's lane order: lane 4q + r holds key q + 4r, so key j lands in lane LANE_KEYS[j] and
@@ -168,19 +202,22 @@ ALWAYS_INLINE void attend_keys(const KeySource *src, const float *q, int64_t n,
 static const int32_t LANE_KEYS[16] __attribute__((aligned(64))) = {0, 4, 8,  12, 1, 5, 9,  13,
                                                                     2, 6, 10, 14, 3, 7, 11, 15};
 
-ALWAYS_INLINE vf widen16(const char *row, int64_t d, const int bf16)
+ALWAYS_INLINE vf widen16(const char *row, int64_t d, const int kind)
 {
-    if (!bf16) return loadv((const float *)row + d);
+    if (kind == KV_F32) return loadv((const float *)row + d);
+    if (kind == KV_I8)
+        return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + d))));
     const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * d)));
     return (vf)_mm512_slli_epi32(x, 16);
 }
 
-/* K or V rows for the keys past the end of a short chunk: zeros (their scores are masked) */
+/* K or V rows (and scales) for the keys past the end of a short chunk: zeros (their scores are
+   masked) */
 static const float ZERO_ROW[256] __attribute__((aligned(64)));
 
 /* One key's dot product with a query row as 16 partial sums. */
 ALWAYS_INLINE vf key_dot(const char *k_row, const float *q, const void *qp, const int64_t D,
-                          const int bf16, const int dots)
+                          const int kind, const int dots)
 {
     vf dot = (vf){0};
 #if HAS_BF16_DOTS
@@ -198,17 +235,19 @@ ALWAYS_INLINE vf key_dot(const char *k_row, const float *q, const void *qp, cons
         return dot;
     }
 #endif
-    for (int64_t c = 0; c < D / 16; c++) dot += loadv(q + 16 * c) * widen16(k_row, 16 * c, bf16);
+    for (int64_t c = 0; c < D / 16; c++) dot += loadv(q + 16 * c) * widen16(k_row, 16 * c, kind);
     return dot;
 }
 
 /* nr (a literal, <= ROWS) query rows (qs pre-scaled float32; qp their bfloat16 pairs, unscaled,
    for dots) attend to one chunk of 16 keys, k_rows / v_rows (the first `count` real, the rest
-   ZERO_ROW). */
+   ZERO_ROW): V rows stored as `kind`, K rows as `k_kind` (kind, or an int8 chunk's staged
+   codes: stage_codes); for int8 rows, ks / vs hold the keys' K and V scales in the tree's lane
+   order. */
 ALWAYS_INLINE void rows_chunk(const char *const *k_rows, const char *const *v_rows, int64_t count,
                               const float *qs, const void *qp, float scale, const int nr,
-                              float *acc, float *m, float *l, const int64_t D, const int bf16,
-                              const int dots)
+                              float *acc, float *m, float *l, const int64_t D, const int kind,
+                              const int k_kind, const int dots, vf ks, vf vs)
 {
     const int64_t nv = D / 16;
     vi key_of_lane;
@@ -221,8 +260,8 @@ ALWAYS_INLINE void rows_chunk(const char *const *k_rows, const char *const *v_ro
         const void *q2 = dots ? (const char *)qp + i * D * 2 : NULL;
         __m512 y[8];
         for (int j = 0; j < 8; j++) { /* the tree's first level as the dots come: 256-bit halves */
-            const __m512 a = (__m512)key_dot(k_rows[2 * j], q, q2, D, bf16, dots);
-            const __m512 b = (__m512)key_dot(k_rows[2 * j + 1], q, q2, D, bf16, dots);
+            const __m512 a = (__m512)key_dot(k_rows[2 * j], q, q2, D, k_kind, dots);
+            const __m512 b = (__m512)key_dot(k_rows[2 * j + 1], q, q2, D, k_kind, dots);
             y[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
         }
         __m512 z[4], w[2];
@@ -236,6 +275,7 @@ ALWAYS_INLINE void rows_chunk(const char *const *k_rows, const char *const *v_ro
         s[i] = (vf)_mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88),
                                   _mm512_shuffle_ps(w[0], w[1], 0xDD));
         if (dots) s[i] *= scale;
+        if (kind == KV_I8) s[i] *= ks; /* each key's score times its row's scale */
         if (count < 16) s[i] = where_below(key_of_lane, (int32_t)count, s[i], splat(NO_SCORE));
     }
     int moved[ROWS]; /* per row: a row's arithmetic never depends on the others in the chunk */
@@ -252,7 +292,7 @@ ALWAYS_INLINE void rows_chunk(const char *const *k_rows, const char *const *v_ro
         vf e = exp2v(s[i] - m[i]);
         if (count < 16) e = where_below(key_of_lane, (int32_t)count, e, (vf){0});
         l[i] += hsum(e);
-        storev(p[i], e);
+        storev(p[i], kind == KV_I8 ? e * vs : e); /* int8: V's scale folded into P */
     }
     vf a[ROWS][MAX_VECTORS];
     for (int i = 0; i < nr; i++)
@@ -261,12 +301,40 @@ ALWAYS_INLINE void rows_chunk(const char *const *k_rows, const char *const *v_ro
     for (int j = 0; j < 16; j++) {
         const int lane = LANE_KEYS[j];
         for (int64_t c = 0; c < nv; c++) {
-            const vf vv = widen16(v_rows[j], 16 * c, bf16);
+            const vf vv = widen16(v_rows[j], 16 * c, kind);
             for (int i = 0; i < nr; i++) a[i][c] += p[i][lane] * vv;
         }
     }
     for (int i = 0; i < nr; i++)
         for (int64_t c = 0; c < nv; c++) storev(acc + i * D + 16 * c, a[i][c]);
+}
+
+/* A chunk's 16 int8 K rows as float32 rows, or as bfloat16 rows for dots, in `wide` (16 rows of
+   D floats); `staged` their addresses. Exact: a code is an integer of at most 7 bits. */
+ALWAYS_INLINE void stage_codes(const char *const *rows, float *wide, const char **staged,
+                               const int64_t D, const int dots)
+{
+    for (int j = 0; j < 16; j++) {
+        float *dst = wide + j * D;
+        staged[j] = (const char *)dst;
+#if HAS_BF16_DOTS
+        if (dots) { /* bfloat16 in memory order: the pairs key_dot reads */
+            uint16_t *out = (uint16_t *)dst;
+            int64_t c = 0;
+            for (; c + 32 <= D; c += 32) {
+                const __m512bh both = _mm512_cvtne2ps_pbh((__m512)widen16(rows[j], c + 16, KV_I8),
+                                                          (__m512)widen16(rows[j], c, KV_I8));
+                memcpy(out + c, &both, sizeof both);
+            }
+            if (c < D) { /* D = 16 (mod 32) */
+                const __m256bh half = _mm512_cvtneps_pbh((__m512)widen16(rows[j], c, KV_I8));
+                memcpy(out + c, &half, sizeof half);
+            }
+            continue;
+        }
+#endif
+        for (int64_t c = 0; c < D; c += 16) storev(dst + c, widen16(rows[j], c, KV_I8));
+    }
 }
 
 /* n query rows (members of `group` rows each) attend to keys slots[0 .. len), 16 keys per
@@ -277,19 +345,36 @@ ALWAYS_INLINE void rows_chunk(const char *const *k_rows, const char *const *v_ro
    model/verify_rows.py). */
 ALWAYS_INLINE void attend_rows(const KeySource *src, const float *qs, const void *qp, float scale,
                                int64_t n, int64_t group, const int64_t *slots, int64_t len,
-                               float *acc, float *m, float *l, const int64_t D, const int bf16,
+                               float *acc, float *m, float *l, const int64_t D, const int kind,
                                const int dots)
 {
-    const int64_t row_bytes = D * (bf16 ? 2 : 4);
-    const char *k_rows[16], *v_rows[16];
+    const int64_t row_bytes = D * kv_elem(kind);
+    const char *k_rows[16], *v_rows[16], *k_sc[16], *v_sc[16], *k_staged[16];
+    /* int8: K codes staged once per chunk for all the rows (stage_codes) */
+    float k_wide[kind == KV_I8 ? 16 * D : 1] __attribute__((aligned(64)));
+    const int k_kind = kind != KV_I8 ? kind : dots ? KV_BF16 : KV_F32;
+    const char *const *k_read = kind == KV_I8 ? k_staged : k_rows;
+    vf ks = (vf){0}, vs = (vf){0};
     for (int64_t key0 = 0; key0 < len; key0 += 16) {
         const int64_t count = len - key0 < 16 ? len - key0 : 16;
-        row_addresses(src, slots, key0, count, k_rows, v_rows);
-        for (int64_t j = count; j < 16; j++) k_rows[j] = v_rows[j] = (const char *)ZERO_ROW;
+        row_addresses(src, slots, key0, count, k_rows, v_rows, k_sc, v_sc);
+        for (int64_t j = count; j < 16; j++) {
+            k_rows[j] = v_rows[j] = (const char *)ZERO_ROW;
+            k_sc[j] = v_sc[j] = (const char *)ZERO_ROW;
+        }
+        if (kind == KV_I8) {
+            for (int lane = 0; lane < 16; lane++) { /* lane L holds key LANE_KEYS[L] */
+                ks[lane] = scale_at(k_sc[LANE_KEYS[lane]], 0);
+                vs[lane] = scale_at(v_sc[LANE_KEYS[lane]], 0);
+            }
+            stage_codes(k_rows, k_wide, k_staged, D, dots);
+        }
         const int64_t next = key0 + 16, next_count = len - next < 16 ? len - next : 16;
         for (int64_t j = 0; j < next_count; j++) {
             const int64_t at = slots[next + j] * src->row_bytes + src->head_offset;
-            prefetch_row(src->k + at, src->v + at, row_bytes);
+            const int64_t sat = kind == KV_I8 ? scale_offset(src, slots[next + j]) : 0;
+            prefetch_row(src->k + at, src->v + at, row_bytes, kind == KV_I8 ? src->ks + sat : NULL,
+                         kind == KV_I8 ? src->vs + sat : NULL);
         }
         for (int64_t r = 0, nr; r < n; r += nr) {
             const int64_t end = (r / group + 1) * group; /* the end of this row's member */
@@ -298,14 +383,14 @@ ALWAYS_INLINE void attend_rows(const KeySource *src, const float *qs, const void
             const void *q2 = dots ? (const char *)qp + r * D * 2 : NULL;
             float *a = acc + r * D, *mr = m + r, *lr = l + r;
             switch (nr) { /* literal row counts: registers, unrolled */
-            case 1: rows_chunk(k_rows, v_rows, count, q, q2, scale, 1, a, mr, lr, D, bf16, dots); break;
-            case 2: rows_chunk(k_rows, v_rows, count, q, q2, scale, 2, a, mr, lr, D, bf16, dots); break;
-            case 3: rows_chunk(k_rows, v_rows, count, q, q2, scale, 3, a, mr, lr, D, bf16, dots); break;
-            case 4: rows_chunk(k_rows, v_rows, count, q, q2, scale, 4, a, mr, lr, D, bf16, dots); break;
-            case 5: rows_chunk(k_rows, v_rows, count, q, q2, scale, 5, a, mr, lr, D, bf16, dots); break;
-            case 6: rows_chunk(k_rows, v_rows, count, q, q2, scale, 6, a, mr, lr, D, bf16, dots); break;
-            case 7: rows_chunk(k_rows, v_rows, count, q, q2, scale, 7, a, mr, lr, D, bf16, dots); break;
-            default: rows_chunk(k_rows, v_rows, count, q, q2, scale, 8, a, mr, lr, D, bf16, dots); break;
+            case 1: rows_chunk(k_read, v_rows, count, q, q2, scale, 1, a, mr, lr, D, kind, k_kind, dots, ks, vs); break;
+            case 2: rows_chunk(k_read, v_rows, count, q, q2, scale, 2, a, mr, lr, D, kind, k_kind, dots, ks, vs); break;
+            case 3: rows_chunk(k_read, v_rows, count, q, q2, scale, 3, a, mr, lr, D, kind, k_kind, dots, ks, vs); break;
+            case 4: rows_chunk(k_read, v_rows, count, q, q2, scale, 4, a, mr, lr, D, kind, k_kind, dots, ks, vs); break;
+            case 5: rows_chunk(k_read, v_rows, count, q, q2, scale, 5, a, mr, lr, D, kind, k_kind, dots, ks, vs); break;
+            case 6: rows_chunk(k_read, v_rows, count, q, q2, scale, 6, a, mr, lr, D, kind, k_kind, dots, ks, vs); break;
+            case 7: rows_chunk(k_read, v_rows, count, q, q2, scale, 7, a, mr, lr, D, kind, k_kind, dots, ks, vs); break;
+            default: rows_chunk(k_read, v_rows, count, q, q2, scale, 8, a, mr, lr, D, kind, k_kind, dots, ks, vs); break;
             }
         }
     }
@@ -316,15 +401,15 @@ ALWAYS_INLINE void attend_rows(const KeySource *src, const float *qs, const void
    other sizes take update_block: a dozen more copies of attend_rows doubled the build time),
    update_block elsewhere. */
 #if defined(__AVX512F__)
-#define ATTEND_ROWS(src, qs, qp, scale, n, group, slots, len, acc, m, l, D, bf16, dots, wide)    \
+#define ATTEND_ROWS(src, qs, qp, scale, n, group, slots, len, acc, m, l, D, kind, dots, wide)    \
     do {                                                                                         \
         if (wide)                                                                                \
-            attend_rows(src, qs, qp, scale, n, group, slots, len, acc, m, l, D, bf16, dots);     \
-        else attend_keys(src, qs, n, slots, len, acc, m, l, D, bf16);                            \
+            attend_rows(src, qs, qp, scale, n, group, slots, len, acc, m, l, D, kind, dots);     \
+        else attend_keys(src, qs, n, slots, len, acc, m, l, D, kind);                            \
     } while (0)
 #else
-#define ATTEND_ROWS(src, qs, qp, scale, n, group, slots, len, acc, m, l, D, bf16, dots, wide)    \
-    attend_keys(src, qs, n, slots, len, acc, m, l, D, bf16)
+#define ATTEND_ROWS(src, qs, qp, scale, n, group, slots, len, acc, m, l, D, kind, dots, wide)    \
+    attend_keys(src, qs, n, slots, len, acc, m, l, D, kind)
 #endif
 
 typedef struct {
@@ -340,11 +425,11 @@ typedef struct {
 } Batch;
 
 /* One task: kv head `head` of unit u (with splits > 1, only its query head `part` of the
-   group, or nothing for part > 0 of a unit with a shared run: part 0 takes the whole group);
-   dots: bfloat16 dot products on the shared run (and on the row path where `wide`: D is a
-   literal). */
+   group, or nothing for part > 0 of a unit with a shared run: part 0 takes the whole group),
+   K/V stored as `kind`; dots: bfloat16 dot products on the shared run (and on the row path
+   where `wide`: D is a literal). */
 ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int64_t head,
-                            int64_t part, const int64_t D, const int bf16, const int dots,
+                            int64_t part, const int64_t D, const int kind, const int dots,
                             const int wide)
 {
     const int64_t first = b->units[u], num_members = b->units[u + 1] - first;
@@ -383,21 +468,21 @@ ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int
         const int64_t *slots = b->slots + run[0];
         if (n >= TILE_MIN_ROWS) {
 #if HAS_BF16_DOTS
-            if (dots)
+            if (dots && kind == KV_BF16) /* int8 runs take the float32 tiles */
                 tile_attend_bf16(&tile, (const pair_t *)qp, b->scale, src, slots, run[1],
                                  (pair_t *)kt, (pair_t *)vb, D);
             else
 #endif
-                tile_attend(&tile, qs, src, slots, run[1], kt, vb, D, bf16);
+                tile_attend(&tile, qs, src, slots, run[1], kt, vb, D, kind);
         } else { /* few rows: row by row, each K/V row still loaded once for all */
-            ATTEND_ROWS(src, qs, qp, b->scale, n, group, slots, run[1], acc, m, l, D, bf16, dots,
+            ATTEND_ROWS(src, qs, qp, b->scale, n, group, slots, run[1], acc, m, l, D, kind, dots,
                         wide);
         }
     }
     for (int64_t r = 0; r < num_members; r++) {
         const int64_t *mine = b->own + 2 * (first + r), at = r * group;
         ATTEND_ROWS(src, qs + at * D, dots ? (const char *)qp + at * D * 2 : NULL, b->scale, group,
-                    group, b->slots + mine[0], mine[1], acc + at * D, m + at, l + at, D, bf16, dots,
+                    group, b->slots + mine[0], mine[1], acc + at * D, m + at, l + at, D, kind, dots,
                     wide);
     }
     for (int64_t i = 0; i < n; i++) {
@@ -411,9 +496,12 @@ ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int
 }
 
 /* One task of a bfloat16 pool (kv_mode 1 or 2): decode_attention_bf16.c; of a bfloat16 model
-   with bfloat16 dot products (kv_mode 2 where HAS_BF16_DOTS): decode_attention_dots.c. */
+   with bfloat16 dot products (kv_mode 2 where HAS_BF16_DOTS): decode_attention_dots.c; of an
+   int8 pool (kv_mode 3): decode_attention_i8.c. */
 void decode_task_bf16(const Batch *b, const KeySource *src, int64_t u, int64_t head,
                       int64_t part, int64_t D, int kv_mode);
+void decode_task_i8(const Batch *b, const KeySource *src, int64_t u, int64_t head, int64_t part,
+                    int64_t D, int kv_mode);
 void decode_task_dots(const Batch *b, const KeySource *src, int64_t u, int64_t head,
                       int64_t part, int64_t D);
 

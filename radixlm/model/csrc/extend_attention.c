@@ -18,8 +18,11 @@
    Layouts: q, out (T, H, D) float32; k, v (num_slots, KV, D) views (slot s, kv head h at element
    s * slot_stride + h * head_stride, as decode_attention.c reads them) float32 (kv_mode 0) or bfloat16
    (kv_mode 1: float32 arithmetic; 2: a bfloat16 model, bfloat16 dot products where the CPU has
-   them, else as 1); spans (num_spans, 4): first row in q/out, extend_len, prefix_len, offset of
-   the request's prefix_len + extend_len slots in `slots`.
+   them, else as 1) or int8 codes (kv_mode 3, or 4 for a bfloat16 model, with k_scales /
+   v_scales as decode_attention.c takes them: dequantized as each key block is staged, float32
+   arithmetic either way); spans
+   (num_spans, 4): first row in q/out, extend_len, prefix_len, offset of the request's
+   prefix_len + extend_len slots in `slots`.
 */
 #include <stdlib.h>
 
@@ -30,16 +33,16 @@
 typedef struct {
     const float *q;
     float *out;
-    const char *k, *v;
-    int64_t num_heads, group, row_bytes, head_bytes;
+    const char *k, *v, *ks, *vs; /* ks, vs: int8 pools' scales, else NULL */
+    int64_t num_heads, group, row_bytes, head_bytes, scale_row_bytes, scale_head_bytes;
     float scale;
     const int64_t *spans, *slots;
 } Batch;
 
 /* One task: new tokens [tok0, tok1) of span `span`, kv head `head`; dots: bfloat16 dot
-   products (a bfloat16 pool), else float32 arithmetic over float32 or bfloat16 (bf16) K/V. */
+   products (a bfloat16 pool), else float32 arithmetic over K/V stored as `kind`. */
 ALWAYS_INLINE void run_task(const Batch *b, int64_t span, int64_t head, int64_t tok0,
-                            int64_t tok1, const int64_t D, const int bf16, const int dots)
+                            int64_t tok1, const int64_t D, const int kind, const int dots)
 {
     const int64_t *sp = b->spans + 4 * span;
     const int64_t row0 = sp[0], prefix = sp[2];
@@ -68,7 +71,8 @@ ALWAYS_INLINE void run_task(const Batch *b, int64_t span, int64_t head, int64_t 
         for (int64_t d = 0; d < D; d++) qs[r * D + d] = qr[d] * b->scale;
     }
     const Tile tile = {rows, limit, acc, m, l};
-    const KeySource src = {b->k, b->v, b->row_bytes, head * b->head_bytes};
+    const KeySource src = {b->k,  b->v,  b->row_bytes,        head * b->head_bytes,
+                           b->ks, b->vs, b->scale_row_bytes, head * b->scale_head_bytes};
     const int64_t *slots = b->slots + sp[3];
 #if HAS_BF16_DOTS
     if (dots)
@@ -76,7 +80,7 @@ ALWAYS_INLINE void run_task(const Batch *b, int64_t span, int64_t head, int64_t 
                          (pair_t *)kt, (pair_t *)vb, D);
     else
 #endif
-        tile_attend(&tile, qs, &src, slots, prefix + tok1, kt, vb, D, bf16);
+        tile_attend(&tile, qs, &src, slots, prefix + tok1, kt, vb, D, kind);
     for (int64_t r = 0; r < n; r++) {
         const int64_t tok = tok0 + r / group, g = r % group;
         float *o = b->out + ((row0 + tok) * b->num_heads + head * group + g) * D;
@@ -95,29 +99,37 @@ static void run_task_dispatch(const Batch *b, int64_t span, int64_t head, int64_
                               int64_t tok1, int64_t D, int kv_mode)
 {
     if (kv_mode == 2 && HAS_BF16_DOTS) {
-        if (D == 64) run_task(b, span, head, tok0, tok1, 64, 1, 1);
-        else run_task(b, span, head, tok0, tok1, D, 1, 1);
+        if (D == 64) run_task(b, span, head, tok0, tok1, 64, KV_BF16, 1);
+        else run_task(b, span, head, tok0, tok1, D, KV_BF16, 1);
     }
-    else if (D == 64 && !kv_mode) run_task(b, span, head, tok0, tok1, 64, 0, 0);
-    else if (D == 64) run_task(b, span, head, tok0, tok1, 64, 1, 0);
-    else if (D == 128 && !kv_mode) run_task(b, span, head, tok0, tok1, 128, 0, 0);
-    else if (D == 128) run_task(b, span, head, tok0, tok1, 128, 1, 0);
-    else if (D == 32 && !kv_mode) run_task(b, span, head, tok0, tok1, 32, 0, 0);
-    else if (!kv_mode) run_task(b, span, head, tok0, tok1, D, 0, 0);
-    else run_task(b, span, head, tok0, tok1, D, 1, 0);
+    else if (kv_mode >= 3 && D == 64) run_task(b, span, head, tok0, tok1, 64, KV_I8, 0);
+    else if (kv_mode >= 3) run_task(b, span, head, tok0, tok1, D, KV_I8, 0);
+    else if (D == 64 && !kv_mode) run_task(b, span, head, tok0, tok1, 64, KV_F32, 0);
+    else if (D == 64) run_task(b, span, head, tok0, tok1, 64, KV_BF16, 0);
+    else if (D == 128 && !kv_mode) run_task(b, span, head, tok0, tok1, 128, KV_F32, 0);
+    else if (D == 128) run_task(b, span, head, tok0, tok1, 128, KV_BF16, 0);
+    else if (D == 32 && !kv_mode) run_task(b, span, head, tok0, tok1, 32, KV_F32, 0);
+    else if (!kv_mode) run_task(b, span, head, tok0, tok1, D, KV_F32, 0);
+    else run_task(b, span, head, tok0, tok1, D, KV_BF16, 0);
 }
 
-int extend_attention(const float *q, const void *k, const void *v, float *out, int64_t num_heads,
-                     int64_t num_kv_heads, int64_t head_dim, int64_t slot_stride,
-                     int64_t head_stride, int kv_mode, float scale,
-                     int64_t num_spans, const int64_t *spans, const int64_t *slots,
+int extend_attention(const float *q, const void *k, const void *v, const void *k_scales,
+                     const void *v_scales, float *out, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, int64_t slot_stride, int64_t head_stride,
+                     int64_t scales_slot_stride, int64_t scales_head_stride, int kv_mode,
+                     float scale, int64_t num_spans, const int64_t *spans, const int64_t *slots,
                      int num_threads)
 {
     if (num_heads % num_kv_heads != 0) return 1;
     if (head_dim % 16 != 0) return 2; /* rows are whole vectors of 16 floats */
-    const int64_t elem = kv_mode ? 2 : 4;
-    const Batch batch = {q,         out,       k, v, num_heads, num_heads / num_kv_heads,
-                         slot_stride * elem, head_stride * elem, scale * LOG2E, spans, slots};
+    if (kv_mode < 0 || kv_mode > 4 || (kv_mode >= 3 && (k_scales == NULL || v_scales == NULL)))
+        return 4;
+    const int64_t elem = kv_mode >= 3 ? 1 : kv_mode ? 2 : 4;
+    const int i8 = kv_mode >= 3;
+    const Batch batch = {q, out, k, v, i8 ? k_scales : NULL, i8 ? v_scales : NULL, num_heads,
+                         num_heads / num_kv_heads, slot_stride * elem, head_stride * elem,
+                         scales_slot_stride * 2, scales_head_stride * 2, scale * LOG2E, spans,
+                         slots};
     /* scores in log2 units: the softmax takes exp2 (flash_tile.h) */
     int64_t num_tasks = 0;
     for (int64_t s = 0; s < num_spans; s++) num_tasks += (spans[4 * s + 1] + TILE - 1) / TILE;

@@ -21,6 +21,10 @@
    rows 2i and 2i+1 interleaved, (KB/2, D)). The queries are bfloat16 already (a bfloat16
    model); the probabilities P are rounded to bfloat16 after the float32 softmax, as GPU flash
    attention does; m, l and acc stay float32.
+
+   int8 K/V (KV_I8): each row (slot, kv head) is D int8 codes and one bfloat16 scale, the value
+   code * scale. Staging dequantizes into kt / vb, exactly (an 8-bit code times a scale of 8
+   significant bits fits float32's 24), so the tile runs the float32 loops unchanged.
 */
 #ifndef RADIXLM_FLASH_TILE_H
 #define RADIXLM_FLASH_TILE_H
@@ -29,6 +33,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "simd.h"
 
 /* Tile sizes per build, from the register file (see block_rows and pv_slab):
@@ -47,20 +52,48 @@
 #define NO_SCORE -1e30f /* "minus infinity" that -ffast-math may not assume away */
 #define LOG2E 1.44269504f /* scores times this are in log2 units: e^x = 2^(x log2 e) */
 
-ALWAYS_INLINE float kv_at(const char *row, int64_t d, const int bf16)
+/* How the pool stores K/V rows: the kernels' `kind`, a literal in every specialised build (so
+   each branch on it is resolved at compile time). kv_mode at the C boundary maps onto it:
+   0 -> KV_F32, 1 and 2 -> KV_BF16, 3 -> KV_I8. */
+#define KV_F32 0
+#define KV_BF16 1
+#define KV_I8 2 /* int8 codes, one bfloat16 scale per row (slot, kv head) */
+
+/* Bytes of one stored element. */
+ALWAYS_INLINE int64_t kv_elem(const int kind) { return kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1; }
+
+/* Element d of a row as float32: the code alone for KV_I8 (its row's scale is applied by the
+   caller, once per row). */
+ALWAYS_INLINE float kv_at(const char *row, int64_t d, const int kind)
 {
-    if (!bf16) return ((const float *)row)[d];
-    const uint32_t bits = (uint32_t)((const uint16_t *)row)[d] << 16;
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
+    if (kind == KV_F32) return ((const float *)row)[d];
+    if (kind == KV_I8) return (float)((const int8_t *)row)[d];
+    return bf16_to_float(((const uint16_t *)row)[d]);
 }
 
 typedef struct {
     const char *k, *v;   /* the pool layer, as bytes */
     int64_t row_bytes;   /* one slot: KV * D elements */
     int64_t head_offset; /* bytes from a slot's start to this task's head */
+    /* KV_I8: the layer's bfloat16 scales, slot s of this head at s * scale_row_bytes +
+       scale_head_offset (NULL for float pools) */
+    const char *ks, *vs;
+    int64_t scale_row_bytes, scale_head_offset;
 } KeySource;
+
+/* The bfloat16 scale at byte offset `at` of a scale array, as float32. */
+ALWAYS_INLINE float scale_at(const char *scales, int64_t at)
+{
+    uint16_t bits;
+    memcpy(&bits, scales + at, sizeof bits);
+    return bf16_to_float(bits);
+}
+
+/* Where slot s's scales lie in the scale arrays of src (KV_I8). */
+ALWAYS_INLINE int64_t scale_offset(const KeySource *src, int64_t slot)
+{
+    return slot * src->scale_row_bytes + src->scale_head_offset;
+}
 
 typedef struct {
     int64_t rows;         /* a multiple of R */
@@ -79,6 +112,10 @@ ALWAYS_INLINE void prefetch_block(const KeySource *src, const int64_t *slots, in
         for (int64_t b = 0; b < row_bytes; b += 64) { /* one cache line at a time */
             __builtin_prefetch(src->k + at + b);
             __builtin_prefetch(src->v + at + b);
+        }
+        if (src->ks != NULL) { /* and the rows' scales */
+            __builtin_prefetch(src->ks + scale_offset(src, slots[j]));
+            __builtin_prefetch(src->vs + scale_offset(src, slots[j]));
         }
     }
 }
@@ -192,24 +229,27 @@ ALWAYS_INLINE void block_rows(const float *qs, const float *kt, const float *vb,
    kt, vb: scratch of KB * D floats each. */
 ALWAYS_INLINE void tile_attend(const Tile *t, const float *qs, const KeySource *src,
                                const int64_t *slots, int64_t visible, float *kt, float *vb,
-                               const int64_t D, const int bf16)
+                               const int64_t D, const int kind)
 {
     for (int64_t key0 = 0; key0 < visible; key0 += KB) {
         const int64_t count = visible - key0 < KB ? visible - key0 : KB;
         for (int64_t j = 0; j < KB; j++) {
             if (j < count) {
-                const int64_t at = slots[key0 + j] * src->row_bytes + src->head_offset;
+                const int64_t slot = slots[key0 + j], at = slot * src->row_bytes + src->head_offset;
                 const char *kr = src->k + at, *vr = src->v + at;
+                /* int8: dequantized as staged (exact); 1 for float rows, folded away */
+                const float sk = kind == KV_I8 ? scale_at(src->ks, scale_offset(src, slot)) : 1.0f;
+                const float sv = kind == KV_I8 ? scale_at(src->vs, scale_offset(src, slot)) : 1.0f;
                 for (int64_t d = 0; d < D; d++) {
-                    kt[d * KB + j] = kv_at(kr, d, bf16);
-                    vb[j * D + d] = kv_at(vr, d, bf16);
+                    kt[d * KB + j] = kv_at(kr, d, kind) * sk;
+                    vb[j * D + d] = kv_at(vr, d, kind) * sv;
                 }
             } else {
                 for (int64_t d = 0; d < D; d++) kt[d * KB + j] = 0.0f;
             }
         }
         const int64_t next = key0 + KB + KB < visible ? key0 + KB + KB : visible;
-        prefetch_block(src, slots, key0 + KB, next, D * (bf16 ? 2 : 4));
+        prefetch_block(src, slots, key0 + KB, next, D * kv_elem(kind));
         for (int64_t r = 0; r < t->rows; r += R) {
             if (group_limit(t, r) < key0) continue; /* the whole block is in the group's future */
             block_rows(qs + r * D, kt, vb, count, key0, t->limit + r, t->acc + r * D, t->m + r,

@@ -57,6 +57,22 @@ ALWAYS_INLINE vf load_bf16v(const uint16_t *p)
     return (vf)(__builtin_convertvector(half, vu) << 16);
 }
 
+/* VL int8 at p converted to float32: a sign extension and a conversion (vpmovsxbd, vcvtdq2ps)
+   on AVX-512 and AVX2, where GCC's generic vector conversion goes element by element. */
+ALWAYS_INLINE vf load_i8v(const int8_t *p)
+{
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    typedef int8_t vc __attribute__((vector_size(VL))); /* VL int8 */
+    vc codes;
+    memcpy(&codes, p, sizeof codes);
+    return __builtin_convertvector(codes, vf);
+#endif
+}
+
 /* Lane indices 0 .. VL-1. */
 ALWAYS_INLINE vi iota(void)
 {
