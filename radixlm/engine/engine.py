@@ -269,7 +269,7 @@ class Engine:
                 self.stats.prompt_tokens += req.prompt_len
                 self.stats.cached_prompt_tokens += req.cache_hit_len or 0
         for item in plan.scheduled:
-            if item.is_decode:
+            if item.is_output_token:
                 self.stats.decode_tokens += 1
             else:
                 self.stats.prefill_tokens += item.extend_len

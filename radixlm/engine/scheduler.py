@@ -59,9 +59,11 @@ class ScheduledRequest:
     new_slots: np.ndarray  # one in-flight slot per computed token
 
     @property
-    def is_decode(self) -> bool:
-        """A plain decode step: the KV of one output token (the engine's decode/prefill count;
-        a resumed request recomputing its outputs is a prefill)."""
+    def is_output_token(self) -> bool:
+        """It computes the KV of one output token, the one sampled last: what the engine counts
+        as a decode token and commits only when the request ends (a resumed request recomputing
+        its outputs is a prefill). The model's own rule for a decode row is wider
+        (`ForwardBatch.is_decode`: a prompt's last token over a cached prefix is one too)."""
         return self.extend_len == 1 and self.start >= self.req.prompt_len
 
 
@@ -140,7 +142,7 @@ class Scheduler:
         budget = self.config.max_batch_tokens
         scheduled: set[int] = set()
         # One token left first, oldest first: decodes (and prefills down to their last token;
-        # ScheduledRequest.is_decode tells the two apart).
+        # ScheduledRequest.is_output_token tells the two apart).
         for req in [r for r in self.running if r.remaining_len == 1]:
             if budget == 0:
                 break
@@ -273,7 +275,7 @@ class Scheduler:
             req = item.req
             req.slots = np.concatenate([req.slots, item.new_slots])
             req.computed_len = item.start + item.extend_len
-            if not item.is_decode:
+            if not item.is_output_token:
                 self._commit(req)
             if req.remaining_len > 0:
                 continue  # a chunk of a longer prefill: nothing to sample yet
