@@ -1,4 +1,4 @@
-"""llguidance grammars: what each response format and tool choice admits, per-sample matchers,
+"""llguidance grammars: what each response format and tool choice accepts, per-sample matchers,
 batched masks, and the errors a client gets for schemas that cannot compile."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_json_schema_output_parses_and_validates(compiler: GrammarCompiler) -> N
     assert not _accepts(compiler, '{ "a":1', constraint)  # compact, fixed separators
 
 
-def test_json_object_admits_objects_only(compiler: GrammarCompiler) -> None:
+def test_json_object_accepts_objects_only(compiler: GrammarCompiler) -> None:
     constraint = compiler.json_object()
     assert _accepts(compiler, '{"k": [1, "two", null]}', constraint)
     assert not _accepts(compiler, "[1]", constraint)

@@ -109,6 +109,6 @@ def test_floods_of_health_and_metrics_do_not_reach_the_engine_thread(server: Liv
     finally:
         del engine.call
     assert stream_text and stream_text[0].endswith("data: [DONE]\n\n")
-    # 200 scrapes and probes; the stream's own admission is its only engine round trip
+    # 200 scrapes and probes; the stream's own enqueue is its only engine round trip
     assert len(calls) <= 1, calls
     assert server.wait_idle()["idle"]

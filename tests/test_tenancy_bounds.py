@@ -1,7 +1,7 @@
-"""Bounded work per request, checked before admission: logit_bias keys (ASCII digits, at most
-300, no token twice), every client-filled field in the pre-tokenization bound, stop strings at
-their allowed maximum served, a connection that never finishes its headers closed, and the
-streaming detokenizer's window bounded whatever ids come."""
+"""Bounded work per request, checked before the engine queues it: logit_bias keys (ASCII digits,
+at most 300, no token twice), every client-filled field in the pre-tokenization bound, stop
+strings at their allowed maximum served, a connection that never finishes its headers closed, and
+the streaming detokenizer's window bounded whatever ids come."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The server work one request causes per step is bounded by a constant times its own tokens:
-for random requests (up to 16 stop strings of any length the bound admits, up to 300
+for random requests (up to 16 stop strings of any length the bound allows, up to 300
 logit_bias entries, min_tokens bans, outputs of any ids: text that follows the stop strings,
 special tokens, stray bytes), each token pushed costs the streaming detokenizer, the stop check
 and the logit adjustment at most WORK_PER_TOKEN x (prompt + output tokens so far). Work is

@@ -8,7 +8,7 @@ first tokens are the key; its turn, length and eviction time the value. Two read
 
 - turn inference: a sequence whose walk stops where a ghost's edge started and that continues
   with the ghost's first GHOST_TOKENS tokens continues that conversation (ARC's ghost lists, for
-  turns instead of frequencies). Eviction policies (cache/eviction.py) and L2 admission read
+  turns instead of frequencies). Eviction policies (cache/eviction.py) and the L2 write filter read
   `node.turn`; nothing else does, so a wrong guess costs hit rate, never correctness.
 - the observatory's "evicted" reason (`evicted_run`): the evicted edges a prompt follows from
   where its match ended, chained edge by edge, in the prompt's own namespace only.

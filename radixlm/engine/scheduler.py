@@ -20,7 +20,8 @@ A ScheduledRequest records where its step starts, so nothing downstream depends 
 
 Memory never deadlocks: when a running request cannot get a slot, the newest running request is
 retracted — its computed KV is committed to the tree, so it resumes with a cache hit — and
-requeued at the front. Admission guarantees every request fits the pool alone, so the oldest
+requeued at the front. `Engine.add_request` refuses a request that cannot fit the pool alone, so
+the oldest
 running request always makes progress.
 
 In-batch sharing: a waiting request whose uncached prefix is being computed right now by another

@@ -6,7 +6,7 @@ OpenAI numbers the resulting choices `prompt_index * n + sample_index`. `Generat
 the usage counts and feeds the latency metrics.
 
     gen = Generation(engine, prompts, params, "cmpl-1", salt, metrics)
-    await gen.start()              # every prompt admitted (or the engine's ValueError, raised)
+    await gen.start()              # every prompt queued (or the engine's ValueError, raised)
     async for choice in gen: ...   # ChoiceDelta, until every sample finished
     await gen.aclose()             # always: aborts what is still running, its slots come back
 """
@@ -68,7 +68,7 @@ class _Sample:
 class _Prompt:
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    started: bool = False  # the engine admitted it (its first event arrived)
+    started: bool = False  # the engine queued it (its first event arrived)
     samples: dict[int, _Sample] = field(default_factory=dict)
 
 
@@ -105,7 +105,7 @@ class Generation:
         self._open = len(self.prompts)  # prompts whose stream has not ended
 
     async def start(self) -> None:
-        """Submit every prompt; return once each was admitted, or raise why one was not."""
+        """Submit every prompt; return once each was queued, or raise why one was not."""
         if self.registry is not None:
             self.registry.add(self)
         self._tasks = [

@@ -1,10 +1,10 @@
 """POST /v1/completions, POST /v1/chat/completions and GET /v1/models.
 
 A request goes: body within its limits (`body.py`) -> strict schema -> prompt token ids (lengths
-checked first, text tokenized on the tokenizer threads: `admission.py`) -> SamplingParams
+checked first, text tokenized on the tokenizer threads: `bounds.py`) -> SamplingParams
 (max_tokens defaults to what fits the context and the pool) -> its cache namespace
 (`tenancy.py`) -> its cache reports started, when asked (`observatory/service.py`) ->
-`respond()`: the engine admits it (or a 400 / 503), and a JSON response or an SSE stream answers
+`respond()`: the engine queues it (or a 400 / 503), and a JSON response or an SSE stream answers
 (`respond.py`).
 """
 
@@ -43,8 +43,8 @@ def openai_router(state: ServerState) -> APIRouter:
     async def completions(request: Request) -> Response:
         body = await parse_body(request, state, CompletionRequest, chat=False)
         check_model(state, body.model)
-        state.admission.check_fields(body)  # stop, logit_bias: bounded before anything reads them
-        prompts = [await state.admission.prompt_ids(p) for p in body.prompts]
+        state.bounds.check_fields(body)  # stop, logit_bias: bounded before anything reads them
+        prompts = [await state.bounds.prompt_ids(p) for p in body.prompts]
         header = _header(state, body, "completion", body.logprobs, prompts)
         params = _sampling_params(state, body, prompts, body.max_tokens, body.logprobs, "prompt")
         namespace = state.tenancy.namespace(request, body.cache_salt)
@@ -60,7 +60,7 @@ def openai_router(state: ServerState) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, state, ChatCompletionRequest, chat=True)
         check_model(state, body.model)
-        state.admission.check_fields(body, body.messages)  # before tools compile or render
+        state.bounds.check_fields(body, body.messages)  # before tools compile or render
         namespace = state.tenancy.namespace(request, body.cache_salt)
         response_format = body.response_format.to_dict() if body.response_format else None
         plan = await plan_chat(
@@ -68,7 +68,7 @@ def openai_router(state: ServerState) -> APIRouter:
             response_format,
         )  # fmt: skip
         render = functools.partial(agents.prompt_ids, tools=plan.tools, namespace=namespace)
-        prompt = await state.admission.chat_ids(body.messages, render)
+        prompt = await state.bounds.chat_ids(body.messages, render)
         top = (body.top_logprobs or 0) if body.logprobs else None
         header = _header(state, body, "chat", top, [prompt])
         params = _sampling_params(

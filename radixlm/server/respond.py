@@ -1,9 +1,9 @@
-"""One admitted request's answer: run its `Generation` and turn it into an HTTP response, a JSON
+"""One queued request's answer: run its `Generation` and turn it into an HTTP response, a JSON
 body once every choice finished, or an SSE stream of chunks ending with `data: [DONE]`.
 
 A client that goes away is noticed while waiting (a watcher on the ASGI receive channel) or while
 streaming (Starlette cancels the body); either way the generation is closed, which aborts the
-engine request and returns its KV slots. Every admitted prompt is noted in the observatory's
+engine request and returns its KV slots. Every queued prompt is noted in the observatory's
 index (the salt check of later cache reports).
 """
 
@@ -47,9 +47,9 @@ async def respond(
     prompt_param: str,
     outputs: ChatOutputs | None = None,
 ) -> Response:
-    """Admit the prompts (a 503 when the queue is full, a 400 the engine refuses) and answer;
+    """Queue the prompts (a 503 when the queue is full, a 400 the engine refuses) and answer;
     `outputs` parses a chat's tool calls out of its text."""
-    gen = await admit(request, state, prompts, params, header.id, namespace, prompt_param)
+    gen = await enqueue(request, state, prompts, params, header.id, namespace, prompt_param)
     if body.stream:
         chunks = _stream(gen, header, body.include_usage, state.tenancy.reported, outputs)
         return StreamingResponse(chunks, media_type="text/event-stream")
@@ -72,7 +72,7 @@ async def respond(
     return JSONResponse(full_response(header, results, state.tenancy.reported(gen.usage)))
 
 
-async def admit(
+async def enqueue(
     request: Request,
     state: ServerState,
     prompts: list[list[int]],
@@ -81,7 +81,7 @@ async def admit(
     namespace: str | None,
     prompt_param: str,
 ) -> Generation:
-    """The engine admits the prompts (a 503 when its queue is full, a 400 for what it refuses)
+    """The engine queues the prompts (a 503 when its queue is full, a 400 for what it refuses)
     and their generation starts; the prompts are noted for the salt index."""
     gen = Generation(
         state.engine, prompts, params, request_id, namespace, state.metrics, state.generations

@@ -12,7 +12,7 @@ from typing import Literal
 
 from radixlm.agents.grammar import Constraint
 from radixlm.request import SamplingParams
-from radixlm.server.admission import check_fits
+from radixlm.server.bounds import check_fits
 from radixlm.server.errors import APIError
 from radixlm.server.state import ServerState
 

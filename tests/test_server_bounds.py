@@ -1,9 +1,10 @@
-"""Bounded work before admission: what a request can cost the server before it is refused.
+"""Bounded work before the engine queues a request: a request costs the server only what its
+answer is worth, even when it can never fit.
 
-Reproductions from issue 19: a 30 MB prompt was tokenized in full before its 400 (GBs held
-after a burst); 300k one-character chat messages were rendered before theirs; a 300 MiB body was
-read whole before its 413; a client sending one byte every two seconds held its connection
-without limit; a client closing mid-body logged two ERROR tracebacks.
+The rules: a prompt too long to fit is a 400 before it is tokenized in full (nor are a flood of
+one-character chat messages rendered); a body over its limit is a 413 before it is read whole; a
+client sending a byte every few seconds loses its connection after a bound; a client closing
+mid-body leaves no ERROR traceback in the log.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from hypothesis import strategies as st
 from live_server import LiveServer, live_server, save_tiny_chat_model
 
 from radixlm.config import CacheConfig, ServerConfig
-from radixlm.server.admission import json_values_bound
 from radixlm.server.body import BodyLimitMiddleware
+from radixlm.server.bounds import json_values_bound
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,7 +38,7 @@ HUGE = "hello " * 2_000_000  # 12 MB: ~3,600 times what can fit a 256-token cont
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-admission"), context_len=CONTEXT)
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-bounds"), context_len=CONTEXT)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""Agent inputs that could never produce an answer are 400s at admission, and a resent turn is
-spliced back only as ids the client saw.
+"""Agent inputs that could never produce an answer are 400s before the engine queues them, and a
+resent turn is spliced back only as ids the client saw.
 
 Each case goes through the live server: the error names the field, and the server keeps serving
 with its slot accounting back at idle (the `client` fixture checks after every test).
