@@ -198,6 +198,22 @@ def test_learned_offsets_stay_lru_when_nothing_comes_back() -> None:
     assert policy.offsets == [0.0] * 9
 
 
+@pytest.mark.parametrize("again", ["a", "b"])
+def test_an_eviction_comes_back_only_in_its_own_namespace(again: str) -> None:
+    """A new leaf that begins like an edge evicted in its own namespace is a return (the expert
+    that evicted it loses weight); one in another namespace is not (the weights stay even)."""
+    policy = AdaptivePolicy(window=1e9)
+    tree = RadixTree(policy=policy)
+    prompts = [[seed * 1000 + i for i in range(20)] for seed in range(10)]
+    for prompt in prompts:
+        put(tree, prompt, "a")
+    tree.evict(tree.evictable_tokens)
+    for prompt in prompts:
+        put(tree, prompt, again)
+    assert (policy.weights == [0.5, 0.5]) == (again == "b")
+    tree.check_integrity()
+
+
 def test_adaptive_follows_the_expert_whose_evictions_come_back_less() -> None:
     policy = AdaptivePolicy()
     for _ in range(100):
