@@ -151,7 +151,7 @@ def run_requests(
     engine: Engine, prompts: list[list[int]], output_len: int
 ) -> list[tuple[float, list[int]]]:
     """Submit every prompt at once and step until done: (TTFT s, output ids) per prompt."""
-    from radixlm.request import SamplingParams
+    from radixlm.api_types import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     reqs = [engine.requests(engine.add_request(p, params))[0] for p in prompts]

@@ -10,10 +10,10 @@ from typing import Any
 
 from helpers import save_tiny_model
 
+from radixlm.api_types import SamplingParams
 from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
 from radixlm.engine.engine import Engine
 from radixlm.engine.request import Request
-from radixlm.request import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from radixlm.api_types import SamplingParams
 from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
-from radixlm.request import SamplingParams
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_tokenizers import byte_level, sentencepiece_like, smollm
 
+from radixlm.api_types import SamplingParams
 from radixlm.detokenizer import IncrementalDetokenizer, OutputStream, StopChecker
-from radixlm.request import SamplingParams
 from radixlm.tokenizer import Tokenizer
 
 MULTILINGUAL = "héllo 世界 🙂 the quick fox 🎉 déjà vu, 你好!"

@@ -9,9 +9,9 @@ from collections.abc import Callable
 import pytest
 from engine_helpers import GREEDY, assert_idle, outputs, run
 
+from radixlm.api_types import RequestOutput, SamplingParams
 from radixlm.engine.engine import Engine, ForwardError
 from radixlm.engine.request import request_output
-from radixlm.request import RequestOutput, SamplingParams
 
 
 def shared_prefix_prompts(seed: int = 0) -> list[list[int]]:

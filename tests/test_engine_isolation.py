@@ -17,6 +17,7 @@ from engine_helpers import GREEDY, assert_idle, outputs, run
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from radixlm.api_types import SamplingParams, StreamDelta
 from radixlm.detokenizer import OutputStream, TextDelta
 from radixlm.engine.async_engine import AsyncEngine
 from radixlm.engine.engine import Engine
@@ -24,7 +25,6 @@ from radixlm.engine.request import Request
 from radixlm.engine.sampler import SamplingState
 from radixlm.engine.scheduler import SchedulerOutput
 from radixlm.model.forward_batch import ForwardBatch
-from radixlm.request import SamplingParams, StreamDelta
 
 MAX_TOKENS = 10
 PARAMS = [  # one per prompt: greedy, n = 2 (seeded forks), seeded sampling, greedy again

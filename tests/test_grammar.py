@@ -165,8 +165,8 @@ def test_forks_are_independent(compiler: GrammarCompiler) -> None:
 def test_the_sampler_masks_biases_and_isolates_a_failing_grammar(
     compiler: GrammarCompiler,
 ) -> None:
+    from radixlm.api_types import SamplingParams
     from radixlm.engine.sampler import SampledToken, Sampler, SamplingFailure, SamplingState
-    from radixlm.request import SamplingParams
 
     brace = byte_level().encode("{", add_special_tokens=False)[0]
     logits = torch.zeros(4, VOCAB)

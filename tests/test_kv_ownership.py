@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from engine_helpers import assert_idle, outputs, run
 
+from radixlm.api_types import SamplingParams
 from radixlm.engine.engine import Engine, ForwardError
 from radixlm.engine.request import Request
-from radixlm.request import SamplingParams
 
 KV_FIELDS = {"node", "slots", "cached_len", "computed_len", "forks"}  # forks: who waits on it
 

@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from radixlm.api_types import SamplingParams
 from radixlm.engine.sampler import (
     NonFiniteLogitsError,
     SampledToken,
@@ -23,7 +24,6 @@ from radixlm.engine.sampler import (
     apply_logit_bias,
     apply_penalties,
 )
-from radixlm.request import SamplingParams
 
 
 def wide_logits(rows: int, vocab: int, seed: int, scale: float = 3.0) -> torch.Tensor:

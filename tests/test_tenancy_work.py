@@ -18,9 +18,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tiny_tokenizers import byte_level
 
+from radixlm.api_types import SamplingParams
 from radixlm.detokenizer import OutputStream
 from radixlm.engine.sampler import SamplingState
-from radixlm.request import SamplingParams
 from radixlm.server.protocol import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP
 
 WORK_PER_TOKEN = 1024  # the constant: work units per token of the request, per step

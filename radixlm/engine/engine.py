@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.agents.grammar import GrammarError
+from radixlm.api_types import FinishReason, SamplingParams, StreamDelta
 from radixlm.cache import create_prefix_cache
 from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
 from radixlm.engine.request import Request, RequestState
@@ -42,7 +43,6 @@ from radixlm.engine.sampler import SampledToken, Sampler, SamplingFailure
 from radixlm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.loader import LoadProgress
-from radixlm.request import FinishReason, SamplingParams, StreamDelta
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from radixlm.cache.tree_node import TreeNode
-from radixlm.detokenizer import OutputStream
-from radixlm.engine.sampler import SamplingState
-from radixlm.request import (
+from radixlm.api_types import (
     CompletionOutput,
     FinishReason,
     RequestMetrics,
@@ -32,6 +29,9 @@ from radixlm.request import (
     SamplingParams,
     TokenLogprob,
 )
+from radixlm.cache.tree_node import TreeNode
+from radixlm.detokenizer import OutputStream
+from radixlm.engine.sampler import SamplingState
 from radixlm.tokenizer import Tokenizer
 
 

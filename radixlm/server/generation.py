@@ -20,8 +20,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
+from radixlm.api_types import SamplingParams, StreamDelta
 from radixlm.engine.async_engine import AsyncEngine
-from radixlm.request import SamplingParams, StreamDelta
 
 
 class LatencyObserver(Protocol):

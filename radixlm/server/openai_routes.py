@@ -22,8 +22,8 @@ from pydantic import BaseModel
 
 from radixlm.agents.chat import ChatOutputs
 from radixlm.agents.grammar import Constraint
+from radixlm.api_types import SamplingParams
 from radixlm.observatory.segments import chat_segments
-from radixlm.request import SamplingParams
 from radixlm.server.chat_protocol import ChatCompletionRequest
 from radixlm.server.intake import check_model, parse_body, plan_chat
 from radixlm.server.observatory_routes import Reports, start_report, with_cache_report

@@ -18,8 +18,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixlm.agents.chat import ChatOutputs, call_deltas, finish_reason
+from radixlm.api_types import SamplingParams
 from radixlm.engine.engine import QueueFullError
-from radixlm.request import SamplingParams
 from radixlm.server.errors import APIError, ClientDisconnected, error_body
 from radixlm.server.generation import Generation, Usage
 from radixlm.server.protocol import SamplingRequest
