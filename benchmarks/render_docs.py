@@ -135,6 +135,7 @@ def speed_table() -> str:
         )
     return (
         "\n".join(lines)
+        + _quant_speed()
         + "\n\nSmolLM2-135M-Instruct; how many times faster than transformers on the same weights "
         "(`radixlm bench model`, one process, alternating rounds; decode with 1,024 tokens of "
         "context per request). The avx2 and generic rows force the variant with `RADIXLM_ISA` "
@@ -144,6 +145,40 @@ def speed_table() -> str:
         "under 1.5x, so is every engine's prefill. Per-row figures: "
         "[docs/benchmarks.md](docs/benchmarks.md#model-speed-against-transformers).\n"
     )
+
+
+def _quant_speed() -> str:
+    """The README's lines for the default numbers: the GGUF's blocks in the integer kernels
+    (docs/bench/quant_<variant>.json) and llama.cpp on the same file (llamacpp_<variant>.json),
+    or nothing before those runs."""
+    runs = sorted(BENCH.glob("quant_*.json"))
+    if not runs:
+        return ""
+    lines = [
+        "\n\n| GGUF Q4_1 kept quantized (`--quant exact`, the default) | decode batch 1 / 8, "
+        "1,024 tokens of context | share of the read bandwidth, batch 1 | prefill 1,024 tokens "
+        "| against llama.cpp, decode | CPU, threads |",
+        "|---|---|---|---|---|---|",
+    ]
+    for path in runs:
+        r = json.loads(path.read_text())
+        isa = r.get("isa", "?")
+        decode = {row["batch"]: row for row in r["decode"]}
+        prefill = {row["tokens"]: row for row in r["prefill"]}
+        one = decode.get(1)
+        ms = " / ".join(f"{decode[b]['ours_ms']:.1f} ms" for b in sorted(decode))
+        share = f"{one['ours_roofline']:.0%} of {one['host_read_gb_s']:.0f} GB/s" if one else "–"
+        tok_s = f"{prefill[1024]['ours_tok_s']:,.0f} tok/s" if 1024 in prefill else "–"
+        versus = "–"
+        llama = BENCH / f"llamacpp_{isa}.json"
+        if llama.exists():
+            versus = f"{json.loads(llama.read_text())['ours_vs_llamacpp_decode']['exact']:.2f}x"
+        threads = r.get("threads", "?")
+        lines.append(
+            f"| {isa}, {r.get('dtype', '?')} | {ms} | {share} | {tok_s} | {versus} "
+            f"| {cpu_label(r.get('host'))}; {threads} threads |"
+        )
+    return "\n".join(lines)
 
 
 def _peak_shares(prefill: list[dict[str, Any]]) -> str:
@@ -186,6 +221,8 @@ def benchmarks_page() -> str:
         avx2_section(),
         "## The radix cache against no cache, in the engine\n",
         offline_section(),
+        "## Quantized weights\n",
+        quant_section(),
         "## Model speed against transformers\n",
         model_section(),
         "## Agent loops with tools\n",
@@ -394,6 +431,82 @@ def _roofline_block(prefill: list[dict[str, Any]]) -> str:
         theirs = x.get("transformers_gflop_s")
         cells.append("–" if theirs is None else f"{peak / theirs:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+QUANT_SIDES = [("ours", "exact (default)"), ("ours_fast", "fast"), ("ours_float", "float")]
+
+
+def quant_section() -> str:
+    """The GGUF's blocks in the integer kernels, per numerics and variant
+    (docs/bench/quant_<variant>.json: `radixlm bench model --quant exact,fast,float`), and
+    against llama.cpp on the same file (docs/bench/llamacpp_<variant>.json)."""
+    runs = sorted(BENCH.glob("quant_*.json"))
+    if not runs:
+        return _not_run("radixlm bench model --quant exact,fast,float")
+    blocks = [
+        "`radixlm bench model --quant exact,fast,float --json docs/bench/quant_<variant>.json` "
+        "runs the default model's Q4_1 / Q8_0 blocks in the integer kernels (exact: int16 "
+        "activations, the default; fast: int8) and, as `float`, the same file dequantized to "
+        "the dtype; one process, alternating rounds, each side's best. A decode step's bytes "
+        "are the weights as each side holds them plus the K/V of its context; the read "
+        "bandwidth is a 512 MiB sum timed in the same rounds, so the last figure is the share "
+        "of the memory roofline a step reaches.\n",
+    ]
+    for path in runs:
+        blocks.append(_quant_block(path.name, json.loads(path.read_text())))
+    for path in sorted(BENCH.glob("llamacpp_*.json")):
+        blocks.append(_llamacpp_block(path.name, json.loads(path.read_text())))
+    return "\n".join(blocks)
+
+
+def _quant_block(name: str, r: dict[str, Any]) -> str:
+    sides = [(k, label) for k, label in QUANT_SIDES if f"{k}_ms" in r["decode"][0]]
+    lines = [
+        f"**{r.get('isa', '?')}, {r.get('dtype', '?')}** ([`{name}`](bench/{name}); "
+        f"{_host_line(r.get('host'))}, {r.get('threads', '?')} threads"
+        f"{_env_note(r.get('env'))}):\n",
+        "| | " + " | ".join(label for _, label in sides) + " |",
+        "|---|" + "---:|" * len(sides),
+    ]
+    for row in r["prefill"]:
+        cells = [f"{row[f'{k}_tok_s']:,.0f} tok/s" for k, _ in sides]
+        lines.append(f"| prefill {row['tokens']:,} tokens | " + " | ".join(cells) + " |")
+    for row in r["decode"]:
+        cells = [
+            f"{row[f'{k}_ms']:.1f} ms, {row[f'{k}_read_mb']:.0f} MB "
+            f"({row[f'{k}_roofline']:.0%} of {row['host_read_gb_s']:.0f} GB/s)"
+            for k, _ in sides
+        ]
+        lines.append(
+            f"| decode batch {row['batch']}, {row['context']:,} tokens of context | "
+            + " | ".join(cells) + " |"
+        )  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _llamacpp_block(name: str, r: dict[str, Any]) -> str:
+    med, spread = r["median"], r["spread"]
+
+    def cell(key: str) -> str:
+        low, high = spread[key]
+        return f"{med[key]:.1f} ms ({low:.1f}-{high:.1f})"
+
+    modes = [k.split("_")[1] for k in med if k.startswith("ours_") and k.endswith("_decode_ms")]
+    lines = [
+        f"Against llama.cpp on the same GGUF ([`{name}`](bench/{name}); "
+        f"`benchmarks/llamacpp_decode.py`: llama-server from the xllamacpp wheel, one slot, "
+        f"{r['threads']} threads, its own timings; ours in-process, {r.get('dtype', '?')}; "
+        f"{r['context']:,} random prompt tokens, then {r['steps']} greedy tokens; median of "
+        f"{r['rounds']} rounds, range in brackets; {_host_line(r.get('host'))}):\n",
+        "| | llama.cpp | " + " | ".join(f"radixlm {m}" for m in modes) + " |",
+        "|---|---:|" + "---:|" * len(modes),
+        "| decode, per token | " + cell("llamacpp_decode_ms") + " | "
+        + " | ".join(f"{cell(f'ours_{m}_decode_ms')} ({r['ours_vs_llamacpp_decode'][m]:.2f}x)"
+                     for m in modes) + " |",
+        "| prefill of the prompt | " + cell("llamacpp_prefill_ms") + " | "
+        + " | ".join(cell(f"ours_{m}_prefill_ms") for m in modes) + " |",
+    ]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
