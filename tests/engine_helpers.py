@@ -11,7 +11,7 @@ from typing import Any
 from helpers import save_tiny_model
 
 from radixlm.api_types import SamplingParams
-from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
+from radixlm.config import CacheConfig, CacheKind, ModelConfig, SchedulerConfig
 from radixlm.engine.engine import Engine
 from radixlm.engine.request import Request
 
@@ -25,7 +25,7 @@ def save_engine_model(path: Path) -> None:
 
 def new_engine(
     model_dir: Path,
-    cache: str = "radix",
+    cache: CacheKind = "radix",
     num_slots: int = 4096,
     page_size: int = 1,
     **scheduler: Any,
@@ -33,7 +33,7 @@ def new_engine(
     """An Engine on the model at `model_dir`; `scheduler` holds SchedulerConfig fields."""
     return Engine(
         ModelConfig(path=str(model_dir), dtype="float32", num_threads=1),
-        CacheConfig(num_slots=num_slots, page_size=page_size, cache=cache),  # type: ignore[arg-type]
+        CacheConfig(num_slots=num_slots, page_size=page_size, cache=cache),
         SchedulerConfig(**scheduler),
     )
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -73,12 +74,13 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 class TinyModel:
     variant: str
     path: Path  # the save_pretrained directory
-    reference: torch.nn.Module  # the transformers model, float32, eval
+    reference: Any  # the transformers model, float32, eval (its config's fields are dynamic)
 
 
-def save_tiny_model(
-    variant: str, path: Path, seed: int = 0, **config_overrides: Any
-) -> torch.nn.Module:
+TinyModels = Callable[[str], TinyModel]  # the tiny_hf_model fixture: a variant's model, built once
+
+
+def save_tiny_model(variant: str, path: Path, seed: int = 0, **config_overrides: Any) -> Any:
     """Build a random model of `variant`, save it with its tokenizer at `path`, return it."""
     import transformers
 

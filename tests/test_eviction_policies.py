@@ -93,7 +93,7 @@ def test_the_policy_is_chosen_by_name_in_the_cache_config() -> None:
     cache = create_prefix_cache(CacheConfig(eviction="gdsf"), SlotAllocator(64))
     assert isinstance(cache, RadixCache) and cache.tree.policy.name == "gdsf"
     with pytest.raises(ValueError, match="eviction must be"):
-        CacheConfig(eviction="lfu")  # type: ignore[arg-type]
+        CacheConfig(eviction="lfu")  # type: ignore[arg-type]  # the bad value under test
     with pytest.raises(ValueError, match="unknown eviction policy"):
         RadixTree(policy="mru")
 
@@ -117,6 +117,7 @@ def make_machine(policy_name: str, page_size: int) -> type[RuleBasedStateMachine
     among the unlocked leaves when it goes, and no node's priority ever decreases."""
     tokens = st.lists(st.integers(0, 2), max_size=13)
 
+    # a base class built per parameter (mypy takes no call as a base)
     class PolicyVersusReference(tree_machine(page_size, tokens, policy_name)):  # type: ignore[misc]
         def __init__(self) -> None:
             super().__init__()

@@ -82,7 +82,7 @@ def fail_a_request(engine: Engine, prompt: list[int]) -> None:
     def broken(token_id: int) -> Any:
         raise RuntimeError("injected detokenizer fault")
 
-    req.output_stream.push = broken  # type: ignore[method-assign]
+    req.output_stream.push = broken  # type: ignore[method-assign]  # a fault injected for this test
     while engine.has_unfinished():
         engine.step()
     assert req.finish_reason == "error"
@@ -98,10 +98,10 @@ def fail_a_forward_pass(engine: Engine, prompts: list[list[int]]) -> None:
     def broken(batch: Any) -> Any:
         raise RuntimeError("injected forward fault")
 
-    engine.runner.forward = broken  # type: ignore[method-assign]
+    engine.runner.forward = broken  # type: ignore[method-assign]  # a fault injected for this test
     with pytest.raises(ForwardError) as failure:
         engine.step()
-    engine.runner.forward = forward  # type: ignore[method-assign]
+    engine.runner.forward = forward  # type: ignore[method-assign]  # the engine's own again
     engine.fail(failure.value.request_ids, "internal error")
     while engine.has_unfinished():
         engine.step()

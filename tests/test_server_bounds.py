@@ -16,7 +16,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from live_server import LiveServer, live_server, save_tiny_chat_model
+from live_server import LiveServer, RecordingHandler, live_server, save_tiny_chat_model
 
 from radixlm.config import CacheConfig, ServerConfig
 from radixlm.server.body import BodyLimitMiddleware
@@ -210,9 +210,8 @@ def test_live_body_limits(server: LiveServer) -> None:
 
 
 def test_a_client_closing_mid_body_logs_no_error(server: LiveServer) -> None:
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
+    handler = RecordingHandler()
+    records = handler.records
     loggers = [logging.getLogger(name) for name in ("radixlm", "uvicorn.error", "uvicorn")]
     body_log = logging.getLogger("radixlm.server.body")
     level = body_log.level
@@ -300,12 +299,17 @@ def _run_middleware(
 
     sent: list[dict[str, Any]] = []
 
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(dict(message))
 
     middleware = BodyLimitMiddleware(app, max_bytes, timeout_s, idle_timeout_s)
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers or []}
-    asyncio.run(middleware(scope, receive, send))  # type: ignore[arg-type]
+    scope: dict[str, Any] = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "headers": headers or [],
+    }
+    asyncio.run(middleware(scope, receive, send))
     return sent, called
 
 
