@@ -36,7 +36,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check radixlm tests
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy radixlm
+	$(VENV)/bin/mypy radixlm tests
 
 pytest: kernels browser
 	$(PY) -m pytest -q

@@ -49,9 +49,9 @@ def _all_decoding(engine: Any, ids: list[str]) -> bool:
 def grammar_overhead(dtype: str = "float32", steps: int = 24, batch: int = 8) -> dict[str, Any]:
     from radixlm.agents.grammar import GrammarCompiler
     from radixlm.agents.prompt import PromptRenderer
+    from radixlm.api_types import SamplingParams
     from radixlm.config import ModelConfig
     from radixlm.engine.engine import Engine
-    from radixlm.request import SamplingParams
 
     engine = Engine(ModelConfig(dtype=dtype))  # type: ignore[arg-type]
     tokenizer = engine.tokenizer

@@ -9,11 +9,11 @@ one with an L2 page file (`--l2-dir` in a temporary directory), one without. Two
   conversation's turn t, then every one's turn t + 1), one request at a time, so each
   conversation's KV has left RAM by the time it comes back. The figure is the TTFT of turns
   3 and later: loaded from disk with L2, recomputed without. Turn 2 is recomputed in both arms
-  (by design: L2 admits a first turn only once it had a hit or first turns measurably come
+  (by design: L2 writes a first turn only once it had a hit or first turns measurably come
   back, which a few conversations cannot show) and is reported apart.
 - random: prompts sharing nothing, all submitted at once, through a pool they overflow. The
   figure is output tok/s: the tier must cost nothing when it cannot help (first turns are not
-  admitted, so nothing is written).
+  worth a write, so nothing is written).
 
 Each round runs both arms on fresh prompts, in alternating order, after flushing both tiers;
 per workload the figure is the median over rounds of the per-round ratio (paired). Greedy, EOS
@@ -132,7 +132,7 @@ def multiturn(
     return {
         "first_ttft_ms": statistics.median(ttft_ms[0]),
         "second_turn_ttft_ms": statistics.median(ttft_ms[1]),
-        "followup_ttft_ms": statistics.median(later),  # turns 3+: their history was admitted
+        "followup_ttft_ms": statistics.median(later),  # turns 3+: their history was written
         "ttft_ms_by_turn": ttft_ms,
         "outputs": outputs,
     }
@@ -151,7 +151,7 @@ def run_requests(
     engine: Engine, prompts: list[list[int]], output_len: int
 ) -> list[tuple[float, list[int]]]:
     """Submit every prompt at once and step until done: (TTFT s, output ids) per prompt."""
-    from radixlm.request import SamplingParams
+    from radixlm.api_types import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     reqs = [engine.requests(engine.add_request(p, params))[0] for p in prompts]
@@ -225,7 +225,7 @@ def render_section(result: dict[str, Any], host_line: str) -> str:
         "|---|---:|---:|---:|",
         f"| multiturn TTFT, turns 3+ (median) | {ttft['l2']:,.0f} ms | {ttft['no_l2']:,.0f} ms "
         f"| {result['followup_ttft_speedup_median']:.1f}x lower |",
-        f"| multiturn TTFT, turn 2 (not admitted) | {second['l2']:,.0f} ms "
+        f"| multiturn TTFT, turn 2 (not written) | {second['l2']:,.0f} ms "
         f"| {second['no_l2']:,.0f} ms | |",
         f"| random output tok/s | {tok_s['l2']:.1f} | {tok_s['no_l2']:.1f} "
         f"| {result['random_tok_s_ratio_median']:.2f} |",

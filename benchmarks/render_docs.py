@@ -5,7 +5,7 @@
 
 A new run is a new JSON file and a rerun of this script, never a hand edit: the sources are
 docs/bench/offline_*.json (`radixlm bench offline`), docs/bench/model_*.json (`radixlm bench
-model`), docs/bench/cache_vs_sglang.jsonl (`radixlm.bench.cache_compare`) and
+model`), docs/bench/cache_vs_sglang.jsonl (`benchmarks/cache_compare.py`) and
 benchmarks/peers/results/runs*/*.json (`benchmarks/peers/run.py`). Every table names the CPU its
 figures were measured on, from the "host" record in each file.
 """
@@ -549,9 +549,9 @@ def agents_section() -> str:
 def tiers_section() -> str:
     result = _recorded("cache_tiers.json")
     if result is None:
-        return _not_run("radixlm.bench.cache_tiers")
+        return _not_run("benchmarks/cache_tiers.py")
     lines = [
-        f"`python -m radixlm.bench.cache_tiers --trace TRACE` replays the Mooncake conversation "
+        f"`python benchmarks/cache_tiers.py --trace TRACE` replays the Mooncake conversation "
         f"trace ({result['requests']:,} requests) through the tree, {result['inflight']} in "
         f"flight; hit rates over the last {1 - result['eval_from']:.0%} of it (the policies "
         "were tuned on the part before), against Belady's clairvoyant eviction at the same "
@@ -579,7 +579,7 @@ def tiers_section() -> str:
 def traces_section() -> str:
     result = _recorded("cache_traces.json")
     if result is None:
-        return _not_run("radixlm.bench.cache_traces")
+        return _not_run("benchmarks/cache_traces.py")
     traces = result["traces"]
     lines = [
         f"`{result['command']}` replays the Mooncake trace (where the policies' constants were "
@@ -709,7 +709,7 @@ def sglang_section() -> str:
     path = BENCH / "cache_vs_sglang.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     lines = [
-        "`radixlm.bench.cache_compare` replays SGLang's own synthetic traces and the Mooncake "
+        "`benchmarks/cache_compare.py` replays SGLang's own synthetic traces and the Mooncake "
         "conversation trace through both trees in one process (tree time only: match + insert "
         '+ evict + lock, 16 requests in flight); "SGLang driver" runs our tree behind SGLang\'s '
         "driver and adapter interface, the stricter comparison:\n",

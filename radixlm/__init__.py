@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from radixlm.request import (
+from radixlm.api_types import (
     CompletionOutput,
     FinishReason,
     RequestOutput,

@@ -1,13 +1,15 @@
 """Frozen, self-validating configuration for each part of radixlm.
 
 Each dataclass checks its values in `__post_init__` and raises `ValueError` naming the field, so
-bad settings fail at construction, never deep inside the engine. The CLI is built from them.
+bad settings fail at construction, never deep inside the engine. The CLI is built from them. A
+field of a fixed set of values is a `Literal` type, spelled once: its check and its CLI choices
+read the values from the type (`typing.get_args`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, get_args
 
 CacheKind = Literal["radix", "none"]
 Eviction = Literal["lru", "turn-credit", "gdsf", "adaptive"]
@@ -43,14 +45,9 @@ class ModelConfig:
     quantize: Quantize = "none"  # a float checkpoint's linear weights quantized at load
 
     def __post_init__(self) -> None:
-        if self.quant not in ("exact", "fast", "float"):
-            raise ValueError(f"quant must be exact, fast or float, got {self.quant!r}")
-        if self.quantize not in ("none", "q8_0"):
-            raise ValueError(f"quantize must be none or q8_0, got {self.quantize!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
-            )
+        _check_choice("quant", self.quant, QuantMode)
+        _check_choice("quantize", self.quantize, Quantize)
+        _check_choice("dtype", self.dtype, ModelDType)
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -74,19 +71,12 @@ class CacheConfig:
             raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.cache not in ("radix", "none"):
-            raise ValueError(f"cache must be 'radix' or 'none', got {self.cache!r}")
-        if self.kv_dtype not in (None, "float32", "bfloat16", "float16", "int8"):
-            raise ValueError(
-                f"kv_dtype must be float32, bfloat16, float16 or int8, got {self.kv_dtype!r}"
-            )
+        _check_choice("cache", self.cache, CacheKind)
+        if self.kv_dtype is not None:
+            _check_choice("kv_dtype", self.kv_dtype, KVDType)
         if self.l2_capacity < 64:
             raise ValueError(f"l2_capacity must be >= 64 tokens, got {self.l2_capacity}")
-        if self.eviction not in ("lru", "turn-credit", "gdsf", "adaptive"):
-            raise ValueError(
-                "eviction must be 'lru', 'turn-credit', 'gdsf' or 'adaptive', "
-                f"got {self.eviction!r}"
-            )
+        _check_choice("eviction", self.eviction, Eviction)
 
 
 @dataclass(frozen=True)
@@ -114,8 +104,7 @@ class SchedulerConfig:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if self.max_wait_steps < 1:
             raise ValueError(f"max_wait_steps must be >= 1, got {self.max_wait_steps}")
-        if self.policy not in ("lpm", "fcfs"):
-            raise ValueError(f"policy must be 'lpm' or 'fcfs', got {self.policy!r}")
+        _check_choice("policy", self.policy, Policy)
 
 
 @dataclass(frozen=True)
@@ -184,11 +173,7 @@ class ServerConfig:
             raise ValueError(
                 f"salt_from must be 'api-key', 'header:NAME' or 'none', got {self.salt_from!r}"
             )
-        if self.report_cached_tokens not in ("exact", "page", "none"):
-            raise ValueError(
-                "report_cached_tokens must be 'exact', 'page' or 'none', "
-                f"got {self.report_cached_tokens!r}"
-            )
+        _check_choice("report_cached_tokens", self.report_cached_tokens, CachedTokensReport)
         for name in ("cached_tokens_page", "max_body_bytes", "max_concurrent_tokenizations",
                      "max_stored_responses", "max_stored_response_bytes"):  # fmt: skip
             if getattr(self, name) < 1:
@@ -204,6 +189,14 @@ class ServerConfig:
             raise ValueError(
                 f"metrics_snapshot_ttl_s must be >= 0, got {self.metrics_snapshot_ttl_s}"
             )
+
+
+def _check_choice(name: str, value: object, choices: Any) -> None:
+    """A ValueError naming field `name` when `value` is not one of the Literal type `choices`."""
+    allowed = get_args(choices)
+    if value not in allowed:
+        *most, last = allowed
+        raise ValueError(f"{name} must be {', '.join(most)} or {last}, got {value!r}")
 
 
 def _is_header_name(name: str) -> bool:

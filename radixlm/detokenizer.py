@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from radixlm.request import FinishReason, SamplingParams
+from radixlm.api_types import FinishReason, SamplingParams
 from radixlm.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character

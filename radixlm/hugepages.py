@@ -4,10 +4,8 @@ A decode step reads every weight and a run of K/V rows per request from DRAM. On
 the hardware prefetchers stop at each page boundary and every page costs a TLB entry; on 2 MiB
 pages they run on. Linux hands out such pages (transparent huge pages) to memory advised with
 MADV_HUGEPAGE before it is first touched, when /sys/kernel/mm/transparent_hugepage/enabled is
-`madvise` (the default on many distributions, and this machine's) or `always`. Measured here
-(in-process offline bench, bf16, the packed weights and the KV pool on huge pages, alternating
-3 runs each): gsp 260.8/270.9/273.3 -> 276.2/288.4/266.4 output tok/s, multiturn
-230.5/227.3/214.3 -> 236.4/237.4/237.6.
+`madvise` (the default on many distributions) or `always`. What it bought is measured in
+docs/model.md ("What made the difference").
 
 `empty` asks for them and falls back to plain memory where it cannot (another OS, THP off):
 the advice changes speed, never results. An `Arena` carves many tensors out of one such

@@ -8,12 +8,13 @@ turn must survive.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import torch
 
 from radixlm.agents.grammar import GrammarMatcher, apply_token_masks
 
-WEATHER = {
+WEATHER: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -27,7 +28,7 @@ WEATHER = {
         "strict": True,
     },
 }
-ADD = {
+ADD: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "add",

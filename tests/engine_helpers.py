@@ -10,11 +10,11 @@ from typing import Any
 
 from helpers import save_tiny_model
 
-from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
+from radixlm.api_types import SamplingParams
+from radixlm.config import CacheConfig, CacheKind, KVDType, ModelConfig, SchedulerConfig
 from radixlm.engine.engine import Engine
 from radixlm.engine.request import Request
 from radixlm.engine.speculate import StepCost
-from radixlm.request import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -26,17 +26,17 @@ def save_engine_model(path: Path) -> None:
 
 def new_engine(
     model_dir: Path,
-    cache: str = "radix",
+    cache: CacheKind = "radix",
     num_slots: int = 4096,
     page_size: int = 1,
-    kv_dtype: str | None = None,
+    kv_dtype: KVDType | None = None,
     **scheduler: Any,
 ) -> Engine:
     """An Engine on the model at `model_dir` (float32; its pool in `kv_dtype`, default the
     model's); `scheduler` holds SchedulerConfig fields."""
     cache_config = CacheConfig(
-        num_slots=num_slots, page_size=page_size, cache=cache, kv_dtype=kv_dtype,  # type: ignore[arg-type]
-    )  # fmt: skip
+        num_slots=num_slots, page_size=page_size, cache=cache, kv_dtype=kv_dtype
+    )
     return Engine(
         ModelConfig(path=str(model_dir), dtype="float32", num_threads=1),
         cache_config,

@@ -6,14 +6,19 @@
 - `tree_machine(...)`: the hypothesis state machine of random tree operations against the
   brute-force reference (tests/tree_reference.py) that the tree and eviction-policy property
   tests extend.
+- `load_script(path)`: a script of benchmarks/ (outside the package) as a module.
 Nothing here downloads anything.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -69,12 +74,13 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 class TinyModel:
     variant: str
     path: Path  # the save_pretrained directory
-    reference: torch.nn.Module  # the transformers model, float32, eval
+    reference: Any  # the transformers model, float32, eval (its config's fields are dynamic)
 
 
-def save_tiny_model(
-    variant: str, path: Path, seed: int = 0, **config_overrides: Any
-) -> torch.nn.Module:
+TinyModels = Callable[[str], TinyModel]  # the tiny_hf_model fixture: a variant's model, built once
+
+
+def save_tiny_model(variant: str, path: Path, seed: int = 0, **config_overrides: Any) -> Any:
     """Build a random model of `variant`, save it with its tokenizer at `path`, return it."""
     import transformers
 
@@ -219,6 +225,17 @@ def tree_machine(
             assert self.tree.evictable_tokens == self.ref.num_tokens - protected
 
     return TreeMachine
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """A benchmark script as the module `name` (its folder goes on sys.path: the scripts import
+    their siblings, as benchmarks/peers' `engines` and `report`)."""
+    sys.path[:0] = [str(path.parent)]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def sse_events(body: str) -> list[dict[str, Any]]:

@@ -10,6 +10,8 @@ TEST_ADMIN_KEY, unless its config names one; None leaves it without), and the Li
 it on the cache-wide routes (OPERATOR_PATHS), as an operator would; every other request carries
 the tenant key `api_key`.
 
+`RecordingHandler` keeps the log records a server writes, for tests of what it logs.
+
 Nothing is downloaded: the tokenizer is 256 byte tokens (byte b is token b) plus ChatML specials,
 built in memory.
 """
@@ -17,6 +19,7 @@ built in memory.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import socket
 import threading
 import time
@@ -194,3 +197,14 @@ def _with_admin_key(config: ServerConfig, admin_key: str | None) -> ServerConfig
     if config.admin_key is None and multi_tenant and admin_key is not None:
         return dataclasses.replace(config, admin_key=admin_key)
     return config
+
+
+class RecordingHandler(logging.Handler):
+    """A logging handler that keeps every record it handles, in order (`records`)."""
+
+    def __init__(self, level: int = logging.NOTSET) -> None:
+        super().__init__(level)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)

@@ -3,6 +3,8 @@ outputs into OpenAI messages, remembering each for the next turn."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from agent_helpers import ADD, WEATHER
 from tiny_tokenizers import byte_level
@@ -41,7 +43,9 @@ def test_plan_picks_the_grammar(agents: ChatAgents) -> None:
             "name": "n", "schema": {"type": "nope"}}}), "cannot be compiled"),
     ],
 )  # fmt: skip
-def test_plan_errors_name_the_problem(agents: ChatAgents, args: tuple, error: str) -> None:  # type: ignore[type-arg]
+def test_plan_errors_name_the_problem(
+    agents: ChatAgents, args: tuple[Any, ...], error: str
+) -> None:
     with pytest.raises(ValueError, match=error):
         agents.plan(*args)
 

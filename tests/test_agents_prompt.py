@@ -48,7 +48,7 @@ def test_builtin_format_for_a_template_without_tools() -> None:
     assert not renderer.native_tools  # SmolLM2's template ignores tools
     call = {"id": "call_1", "type": "function",
             "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}  # fmt: skip
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "Be brief."},
         *USER,
         {"role": "assistant", "content": None, "tool_calls": [call, {**call, "id": "call_2"}]},
@@ -70,6 +70,7 @@ def test_plain_chats_encode_as_the_tokenizer_does() -> None:
     rendered = tokenizer.hf_tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
     )
+    assert isinstance(rendered, str)
     expected = tokenizer.encode(rendered, add_special_tokens=False)
     assert PromptRenderer(tokenizer).prompt_ids(messages) == expected
 
@@ -124,8 +125,9 @@ def test_a_template_that_renders_tools_gets_them_canonical() -> None:
     assert not template_renders_tools(byte_level().hf_tokenizer)
     renderer = PromptRenderer(tokenizer)
     call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"b": 2}'}}
-    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "c1", "content": "3"}]  # fmt: skip
+    messages: list[dict[str, Any]] = [
+        *USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"}]  # fmt: skip
     a = renderer.render(messages, parse_tools([WEATHER, ADD]))
     assert a == renderer.render(messages, parse_tools([_shuffled(ADD, 3), WEATHER]))
     assert '<call>add {"b": 2}</call>' in a and "<|im_start|>tool\n3<|im_end|>" in a
@@ -158,7 +160,7 @@ def test_a_resent_turn_is_the_generated_ids(tokenizer_name: str, seed: int) -> N
              "tool_calls": [c.to_openai() for c in parsed.tool_calls]}  # fmt: skip
     results = [{"role": "tool", "tool_call_id": c.id, "content": '{"ok": true}'}
                for c in parsed.tool_calls]  # fmt: skip
-    conversation = [*user, reply, *results]
+    conversation: list[dict[str, Any]] = [*user, reply, *results]
     turn2 = renderer.prompt_ids(conversation, tools, namespace="tenant")
     assert turn2[: len(prompt) + len(generated)] == prompt + generated
     assert len(turn2) > len(prompt) + len(generated)
@@ -214,8 +216,9 @@ def test_a_remembered_turn_is_spliced_into_a_native_tool_template() -> None:
     assert generated != tokenizer.encode(text, add_special_tokens=False)
     memo.remember("ns", None, [("add", '{"b": 2}')], generated)
     call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"b": 2}'}}
-    conversation = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
-                    {"role": "tool", "tool_call_id": "c1", "content": "3"}]  # fmt: skip
+    conversation: list[dict[str, Any]] = [
+        *USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"}]  # fmt: skip
     ids = renderer.prompt_ids(conversation, tools, "ns")
     assert ids[: len(prompt) + len(generated)] == prompt + generated
     assert tokenizer.decode(ids) == tokenizer.decode(

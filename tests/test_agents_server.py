@@ -15,6 +15,7 @@ from typing import Any, Literal
 import openai
 import pytest
 from live_server import LiveServer
+from openai.types.chat import ChatCompletionMessageParam
 from pydantic import BaseModel, Field
 
 pytestmark = pytest.mark.timeout(180)
@@ -46,7 +47,9 @@ ADD: dict[str, Any] = {
         },
     },
 }  # fmt: skip
-USER = [{"role": "user", "content": "Weather in Paris, and 2 + 3?"}]
+USER: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "Weather in Paris, and 2 + 3?"}
+]
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from typing import Any
 import openai
 import pytest
 from live_server import LiveServer
+from openai.types.chat import ChatCompletionMessageParam
 from pydantic import BaseModel
 
 pytestmark = pytest.mark.timeout(180)
@@ -57,7 +58,9 @@ FORECAST = {
         },
     },
 }
-USER = [{"role": "user", "content": "Weather in Oslo, and 2 + 3?"}]
+USER: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "Weather in Oslo, and 2 + 3?"}
+]
 
 
 class Forecast(BaseModel):

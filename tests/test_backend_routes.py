@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
+from helpers import TinyModels
 from test_native_kernel import ISAS, require_native_kernels
 
 from radixlm.cache.kv_pool import KVPool
@@ -23,7 +26,9 @@ def linears(model: CausalLM) -> list[Linear]:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_each_matmul_goes_to_the_faster_path(tiny_hf_model, isa: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_each_matmul_goes_to_the_faster_path(
+    tiny_hf_model: TinyModels, isa: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Decode batches go native on every variant (on generic, those skinny_linear streams);
     prefill chunks through the tiles where the kernels prefer them to oneDNN (avx512), else
     oneDNN-packed weights, and on generic dense weights (F.linear), which the PyTorch path
@@ -49,7 +54,9 @@ def test_each_matmul_goes_to_the_faster_path(tiny_hf_model, isa: str, monkeypatc
     assert all(m.weight.is_mkldnn == onednn for m in linears(reference_path))
 
 
-def test_past_the_native_rows_a_decode_takes_the_layer_loop(tiny_hf_model, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_past_the_native_rows_a_decode_takes_the_layer_loop(
+    tiny_hf_model: TinyModels, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A pure decode batch larger than the kernels' matmul rows leaves the fused decode step
     (which has only skinny_linear) for the layer loop, with the same logits."""
     require_native_kernels("generic")
@@ -67,9 +74,15 @@ def test_past_the_native_rows_a_decode_takes_the_layer_loop(tiny_hf_model, monke
     new = [pool.alloc(1) for _ in prompts]
     step = ForwardBatch.build([[p[-1]] for p in prompts], seqs, new)
     fused = model(step, pool)
-    calls = []
+    calls: list[int] = []
+    assert model.backend.fused is not None
     real = model.backend.fused.run
-    monkeypatch.setattr(model.backend.fused, "run", lambda *a: calls.append(1) or real(*a))
+
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(model.backend.fused, "run", counted)
     for rows in (batch_size, batch_size - 1):  # fused, then the layer loop
         model.backend = type(model.backend)(model.backend.kernels, model.backend.fused, rows)
         assert torch.allclose(model(step, pool), fused, atol=1e-4)

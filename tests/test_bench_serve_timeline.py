@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from live_server import live_server, save_tiny_chat_model
@@ -52,7 +53,7 @@ def test_a_timeline_is_read_from_a_stream_s_last_chunk() -> None:
     """The client keeps the timeline the server put in the usage chunk."""
     record = RequestRecord("0", prompt_len=3, max_tokens=1)
     timeline = {"first_token_ms": 1.0, "num_forwards": 1, "stages_ms": {"body": 1.0}}
-    chunks = [
+    chunks: list[dict[str, Any]] = [
         {"choices": [{"text": "a", "token_ids": [5]}]},
         {"choices": [], "usage": {"completion_tokens": 1, "prompt_tokens": 3},
          "timeline": timeline},

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from radixlm.api_types import SamplingParams
 from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
-from radixlm.request import SamplingParams
 
 
 @pytest.mark.parametrize(
@@ -30,7 +30,8 @@ def test_sampling_params_reject_bad_values(kwargs: dict, field: str) -> None:
 
 
 def test_sampling_params_normalise_sequences() -> None:
-    p = SamplingParams(stop="END", stop_token_ids=[3, 4])
+    # a str and a list where the fields hold tuples: the conversion under test
+    p = SamplingParams(stop="END", stop_token_ids=[3, 4])  # type: ignore[arg-type]
     assert p.stop == ("END",)
     assert p.stop_token_ids == (3, 4)
     assert SamplingParams(temperature=0).greedy

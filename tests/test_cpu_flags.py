@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from radixlm.model import native_build
@@ -10,7 +12,7 @@ HOST_AVX512 = frozenset({"sse2", "avx", "avx2", "fma", "avx512f", "avx512bw", "a
 
 
 @pytest.fixture(autouse=True)
-def _fresh_flags():  # type: ignore[no-untyped-def]
+def _fresh_flags() -> Iterator[None]:
     native_build.cpu_flags.cache_clear()
     yield
     native_build.cpu_flags.cache_clear()
@@ -33,7 +35,7 @@ def test_a_probe_that_agrees_changes_nothing() -> None:
     assert native_build._within(HOST_AVX512, probed) == HOST_AVX512
 
 
-def test_the_variant_follows_the_probe(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_the_variant_follows_the_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(native_build, "_probed_flags", lambda: native_build.AVX2.needs)
     monkeypatch.delenv("RADIXLM_ISA", raising=False)
     assert "avx512" not in [v.name for v in native_build.executable_variants()]

@@ -18,7 +18,7 @@ from radixlm.model.backend import default_dtype
 def test_auto_is_the_default_everywhere() -> None:
     assert ModelConfig().dtype == "auto"
     with pytest.raises(ValueError, match="dtype must be auto"):
-        ModelConfig(dtype="float64")  # type: ignore[arg-type]
+        ModelConfig(dtype="float64")  # type: ignore[arg-type]  # the bad value under test
 
 
 @pytest.mark.parametrize("isa", [v.name for v in native_build.executable_variants()])

@@ -3,13 +3,15 @@ found across tokens and never shown; an output ends for exactly the documented r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_tokenizers import byte_level, sentencepiece_like, smollm
+from tiny_tokenizers import byte_level, sentencepiece_like, smollm, token_id
 
+from radixlm.api_types import SamplingParams
 from radixlm.detokenizer import IncrementalDetokenizer, OutputStream, StopChecker
-from radixlm.request import SamplingParams
 from radixlm.tokenizer import Tokenizer
 
 MULTILINGUAL = "héllo 世界 🙂 the quick fox 🎉 déjà vu, 你好!"
@@ -38,7 +40,7 @@ def stream(tokenizer: Tokenizer, ids: list[int], chunks: list[int] | None = None
 
 
 @pytest.mark.parametrize("tokenizer", [byte_level, sentencepiece_like, smollm])
-def test_multilingual_stream_equals_full_decode(tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_multilingual_stream_equals_full_decode(tokenizer: Callable[[], Tokenizer]) -> None:
     tok = tokenizer()
     ids = tok.encode(MULTILINGUAL, add_special_tokens=False)
     deltas = stream(tok, ids)
@@ -49,7 +51,7 @@ def test_multilingual_stream_equals_full_decode(tokenizer) -> None:  # type: ign
 
 def test_byte_fallback_run_that_turns_invalid_keeps_streamed_characters() -> None:
     tok = sentencepiece_like()
-    a, invalid = tok.hf_tokenizer.convert_tokens_to_ids(["<0x41>", "<0xE4>"])
+    a, invalid = token_id(tok, "<0x41>"), token_id(tok, "<0xE4>")
     assert tok.decode([a, invalid]) == "\ufffd\ufffd"  # the decoder's view of the whole run
     detokenizer = IncrementalDetokenizer(tok)
     assert detokenizer.push([a]) == "A"
@@ -152,8 +154,8 @@ def test_stop_checker_matches_brute_force(pieces: list[str], stops: list[str]) -
 def run(params: SamplingParams, ids: list[int]) -> OutputStream:
     tok = byte_level()
     output = OutputStream(tok, params)
-    for token_id in ids:
-        delta = output.push(token_id)
+    for next_id in ids:
+        delta = output.push(next_id)
         if delta.finish_reason is not None:
             break
     return output
@@ -173,7 +175,7 @@ def test_output_ends_on_max_tokens_with_every_character_emitted() -> None:
 def test_output_ends_on_eos_unless_ignored_and_on_stop_token_ids() -> None:
     tok = byte_level()
     ids = tok.encode("hello world", add_special_tokens=False)
-    im_end = tok.hf_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    im_end = token_id(tok, "<|im_end|>")
     output = run(SamplingParams(max_tokens=50), [*ids, im_end, *ids])
     assert output.finish_reason == "stop"
     assert output.token_ids == [*ids, im_end]  # the stop token is kept, its text is not
@@ -183,7 +185,7 @@ def test_output_ends_on_eos_unless_ignored_and_on_stop_token_ids() -> None:
     )
     assert (ignoring.finish_reason, ignoring.text) == ("length", "hello worldhello world")
     stop_id = ids[1]
-    by_id = run(SamplingParams(max_tokens=50, stop_token_ids=[stop_id]), ids)
+    by_id = run(SamplingParams(max_tokens=50, stop_token_ids=(stop_id,)), ids)
     assert (by_id.finish_reason, by_id.token_ids) == ("stop", ids[:2])
     assert by_id.text == tok.decode(ids[:1])
 
@@ -191,6 +193,6 @@ def test_output_ends_on_eos_unless_ignored_and_on_stop_token_ids() -> None:
 def test_output_ends_before_a_stop_string_that_spans_tokens() -> None:
     tok = byte_level()
     ids = tok.encode("the quick brown fox", add_special_tokens=False)
-    output = run(SamplingParams(max_tokens=50, stop=["ck br"]), ids)
+    output = run(SamplingParams(max_tokens=50, stop=("ck br",)), ids)
     assert (output.finish_reason, output.text) == ("stop", "the qui")
     assert tok.decode(output.token_ids).startswith("the quick br")

@@ -7,11 +7,13 @@ import random
 from collections.abc import Callable
 
 import pytest
+import torch
 from engine_helpers import GREEDY, assert_idle, outputs, run
 
+from radixlm.api_types import RequestOutput, SamplingParams
 from radixlm.engine.engine import Engine, ForwardError
 from radixlm.engine.request import request_output
-from radixlm.request import RequestOutput, SamplingParams
+from radixlm.model.forward_batch import ForwardBatch
 
 
 def shared_prefix_prompts(seed: int = 0) -> list[list[int]]:
@@ -130,7 +132,7 @@ def test_stop_string_spanning_tokens_ends_the_output_before_it(
     text = full.text
     assert len(text) >= 8, text
     stop = text[3:6]  # three bytes: three tokens of the byte-level tokenizer
-    cut = _generate(engine, prompt, SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]))
+    cut = _generate(engine, prompt, SamplingParams(temperature=0.0, max_tokens=24, stop=(stop,)))
     assert cut.finish_reason == "stop"
     assert cut.text == text[: text.index(stop)]
     assert stop not in cut.text
@@ -246,7 +248,7 @@ def test_a_failed_forward_pass_fails_its_requests_and_no_other(
     waiting = engine.requests(rids[2])[0]  # max_running_requests keeps it out of the pass
     forward, calls = engine.runner.forward, []
 
-    def flaky(batch):  # type: ignore[no-untyped-def]
+    def flaky(batch: ForwardBatch) -> torch.Tensor:
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("injected failure")

@@ -17,6 +17,7 @@ from engine_helpers import GREEDY, assert_idle, outputs, run
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from radixlm.api_types import SamplingParams, StreamDelta
 from radixlm.detokenizer import OutputStream, TextDelta
 from radixlm.engine.async_engine import AsyncEngine
 from radixlm.engine.engine import Engine
@@ -24,7 +25,6 @@ from radixlm.engine.request import Request
 from radixlm.engine.sampler import SamplingState
 from radixlm.engine.scheduler import SchedulerOutput
 from radixlm.model.forward_batch import ForwardBatch
-from radixlm.request import SamplingParams, StreamDelta
 
 MAX_TOKENS = 10
 PARAMS = [  # one per prompt: greedy, n = 2 (seeded forks), seeded sampling, greedy again
@@ -73,7 +73,7 @@ def faulty_detokenizer(stream: OutputStream, fail_at: int) -> None:
             raise RuntimeError("injected detokenizer fault")
         return push(token_id)
 
-    stream.push = fault  # type: ignore[method-assign]
+    stream.push = fault  # type: ignore[method-assign]  # a fault injected for this test
 
 
 class Fault(NamedTuple):
@@ -104,8 +104,8 @@ def nan_logits(engine: Engine, targets: list[Fault], samples: list[list[Request]
                     logits[row] = math.nan
         return logits
 
-    engine.scheduler.schedule = remember  # type: ignore[method-assign]
-    engine.runner.forward = poisoned  # type: ignore[method-assign]
+    engine.scheduler.schedule = remember  # type: ignore[method-assign]  # notes each plan
+    engine.runner.forward = poisoned  # type: ignore[method-assign]  # a fault injected for this test
 
 
 def submit_and_run(
@@ -222,7 +222,7 @@ def test_the_failing_stream_ends_with_an_error_and_the_others_finish(
                 faulty_detokenizer(engine.requests(rid)[0].output_stream, fail_at=3)
             return rid
 
-        engine.add_request = add_with_fault  # type: ignore[method-assign]
+        engine.add_request = add_with_fault  # type: ignore[method-assign]  # a fault injected for this test
         return engine
 
     async def collect(rid: str, prompt: list[int], params: SamplingParams) -> list[StreamDelta]:
@@ -271,7 +271,7 @@ def test_a_failed_forward_pass_through_the_async_engine_spares_the_rest(
                 raise RuntimeError("injected forward fault")
             return forward(batch)
 
-        engine.runner.forward = broken_for_the_first  # type: ignore[method-assign]
+        engine.runner.forward = broken_for_the_first  # type: ignore[method-assign]  # a fault injected for this test
         return engine
 
     async def collect(rid: str, prompt: list[int]) -> list[StreamDelta]:
@@ -282,7 +282,7 @@ def test_a_failed_forward_pass_through_the_async_engine_spares_the_rest(
             collect("first", prompts()[3]), collect("second", prompts()[0])
         )
         await async_engine.call(assert_idle)
-        return results
+        return list(results)
 
     async_engine = AsyncEngine(build)
     async_engine.start()

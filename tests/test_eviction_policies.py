@@ -93,7 +93,7 @@ def test_the_policy_is_chosen_by_name_in_the_cache_config() -> None:
     cache = create_prefix_cache(CacheConfig(eviction="gdsf"), SlotAllocator(64))
     assert isinstance(cache, RadixCache) and cache.tree.policy.name == "gdsf"
     with pytest.raises(ValueError, match="eviction must be"):
-        CacheConfig(eviction="lfu")  # type: ignore[arg-type]
+        CacheConfig(eviction="lfu")  # type: ignore[arg-type]  # the bad value under test
     with pytest.raises(ValueError, match="unknown eviction policy"):
         RadixTree(policy="mru")
 
@@ -117,6 +117,7 @@ def make_machine(policy_name: str, page_size: int) -> type[RuleBasedStateMachine
     among the unlocked leaves when it goes, and no node's priority ever decreases."""
     tokens = st.lists(st.integers(0, 2), max_size=13)
 
+    # a base class built per parameter (mypy takes no call as a base)
     class PolicyVersusReference(tree_machine(page_size, tokens, policy_name)):  # type: ignore[misc]
         def __init__(self) -> None:
             super().__init__()
@@ -196,6 +197,22 @@ def test_learned_offsets_stay_lru_when_nothing_comes_back() -> None:
     for round_ in range(12):
         turns_out_of_ram(tree, range(round_ * 10, round_ * 10 + 10), 1)
     assert policy.offsets == [0.0] * 9
+
+
+@pytest.mark.parametrize("again", ["a", "b"])
+def test_an_eviction_comes_back_only_in_its_own_namespace(again: str) -> None:
+    """A new leaf that begins like an edge evicted in its own namespace is a return (the expert
+    that evicted it loses weight); one in another namespace is not (the weights stay even)."""
+    policy = AdaptivePolicy(window=1e9)
+    tree = RadixTree(policy=policy)
+    prompts = [[seed * 1000 + i for i in range(20)] for seed in range(10)]
+    for prompt in prompts:
+        put(tree, prompt, "a")
+    tree.evict(tree.evictable_tokens)
+    for prompt in prompts:
+        put(tree, prompt, again)
+    assert (policy.weights == [0.5, 0.5]) == (again == "b")
+    tree.check_integrity()
 
 
 def test_adaptive_follows_the_expert_whose_evictions_come_back_less() -> None:

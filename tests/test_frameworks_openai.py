@@ -15,6 +15,7 @@ import openai
 import pytest
 from framework_helpers import StepRecorder, check_cached_steps, check_idle, framework_server
 from live_server import LiveServer
+from openai.types.responses import ResponseInputParam
 from pydantic import BaseModel, Field
 
 pytestmark = pytest.mark.timeout(180)
@@ -126,15 +127,16 @@ def test_a_responses_loop_by_previous_response_id(served: tuple[LiveServer, Step
     server, steps = served
     client = _client(server)
     tool = {"type": "function", **WEATHER["function"], "strict": False}
-    kwargs = {"model": "tiny", "temperature": 0, "max_output_tokens": 120, "tools": [tool],
-              "instructions": "Use the tool."}  # fmt: skip
+    kwargs: dict[str, Any] = {"model": "tiny", "temperature": 0, "max_output_tokens": 120,
+                              "tools": [tool], "instructions": "Use the tool."}  # fmt: skip
     response = client.responses.create(input="Weather in Paris?", tool_choice="required", **kwargs)
     for _ in range(3):
         calls = [item for item in response.output if item.type == "function_call"]
         if not calls:
             break
-        results = [{"type": "function_call_output", "call_id": c.call_id, "output": "sunny"}
-                   for c in calls]  # fmt: skip
+        results: ResponseInputParam = [
+            {"type": "function_call_output", "call_id": c.call_id, "output": "sunny"} for c in calls
+        ]
         response = client.responses.create(previous_response_id=response.id, input=results,
                                             **kwargs)  # fmt: skip
     check_cached_steps(steps.taken())

@@ -1,4 +1,4 @@
-"""llguidance grammars: what each response format and tool choice admits, per-sample matchers,
+"""llguidance grammars: what each response format and tool choice accepts, per-sample matchers,
 batched masks, and the errors a client gets for schemas that cannot compile."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from agent_helpers import ADD, WEATHER, random_constrained
 from tiny_tokenizers import byte_level
 
-from radixlm.agents.grammar import GrammarCompiler, GrammarError, apply_token_masks
+from radixlm.agents.grammar import Constraint, GrammarCompiler, GrammarError, apply_token_masks
 from radixlm.agents.tool_parser import parse_tool_calls
 from radixlm.agents.tools import ToolChoice, parse_tool_choice, parse_tools
 
@@ -26,8 +26,8 @@ def _text(ids: list[int]) -> str:
     return byte_level().decode(ids)
 
 
-def _accepts(compiler: GrammarCompiler, constraint_text: str, constraint: object) -> bool:
-    matcher = constraint.new_matcher()  # type: ignore[attr-defined]
+def _accepts(compiler: GrammarCompiler, constraint_text: str, constraint: Constraint) -> bool:
+    matcher = constraint.new_matcher()
     ids = byte_level().encode(constraint_text, add_special_tokens=False)
     try:
         for t in ids:
@@ -38,7 +38,7 @@ def _accepts(compiler: GrammarCompiler, constraint_text: str, constraint: object
 
 
 def test_json_schema_output_parses_and_validates(compiler: GrammarCompiler) -> None:
-    schema = ADD["function"]["parameters"]  # type: ignore[index]
+    schema = ADD["function"]["parameters"]
     constraint = compiler.json_schema(schema, strict=True)
     eos = byte_level().eos_token_ids
     for seed in range(5):
@@ -50,7 +50,7 @@ def test_json_schema_output_parses_and_validates(compiler: GrammarCompiler) -> N
     assert not _accepts(compiler, '{ "a":1', constraint)  # compact, fixed separators
 
 
-def test_json_object_admits_objects_only(compiler: GrammarCompiler) -> None:
+def test_json_object_accepts_objects_only(compiler: GrammarCompiler) -> None:
     constraint = compiler.json_object()
     assert _accepts(compiler, '{"k": [1, "two", null]}', constraint)
     assert not _accepts(compiler, "[1]", constraint)
@@ -104,7 +104,7 @@ def test_named_choice_and_parallel_calls(compiler: GrammarCompiler) -> None:
         {"type": "function", "function": {"name": "add"}}, tools), parallel=True)  # fmt: skip
     assert named is not None
     eos = byte_level().eos_token_ids
-    names = set()
+    names: set[str] = set()
     for seed in range(6):
         ids = random_constrained(named.new_matcher(), VOCAB, eos, seed)
         calls = parse_tool_calls(_text(ids[:-1])).tool_calls
@@ -113,7 +113,7 @@ def test_named_choice_and_parallel_calls(compiler: GrammarCompiler) -> None:
     two = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
     assert _accepts(compiler, two + "\n" + two, named)
     single = compiler.tool_calls(tools, ToolChoice("required"), parallel=False)
-    assert not _accepts(compiler, two + "\n" + two, single)
+    assert single is not None and not _accepts(compiler, two + "\n" + two, single)
 
 
 def test_auto_is_free_unless_a_tool_is_strict(compiler: GrammarCompiler) -> None:
@@ -165,8 +165,8 @@ def test_forks_are_independent(compiler: GrammarCompiler) -> None:
 def test_the_sampler_masks_biases_and_isolates_a_failing_grammar(
     compiler: GrammarCompiler,
 ) -> None:
+    from radixlm.api_types import SamplingParams
     from radixlm.engine.sampler import SampledToken, Sampler, SamplingFailure, SamplingState
-    from radixlm.request import SamplingParams
 
     brace = byte_level().encode("{", add_special_tokens=False)[0]
     logits = torch.zeros(4, VOCAB)
@@ -175,10 +175,11 @@ def test_the_sampler_masks_biases_and_isolates_a_failing_grammar(
     dead = SamplingState(SamplingParams(temperature=0.0, constraint=constraint))
     dead.advance(brace)
     dead.advance(byte_level().encode("}", add_special_tokens=False)[0])
-    dead.matcher._matcher.consume_token(brace)  # type: ignore[union-attr]  # now in error
+    assert dead.matcher is not None
+    dead.matcher._matcher.consume_token(brace)  # now in error
     states = [
         SamplingState(SamplingParams(temperature=0.0, constraint=constraint)),
-        SamplingState(SamplingParams(temperature=0.0, logit_bias={9: 100.0})),
+        SamplingState(SamplingParams(temperature=0.0, logit_bias=((9, 100.0),))),
         SamplingState(SamplingParams(temperature=0.0, min_tokens=2), stop_ids=frozenset({7})),
         dead,
     ]

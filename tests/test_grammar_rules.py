@@ -1,4 +1,4 @@
-"""What a chat grammar admits: tool arguments closed as OpenAI's strict mode closes them, the
+"""What a chat grammar accepts: tool arguments closed as OpenAI's strict mode closes them, the
 response format as the text branch under auto, allowed_tools narrowing the calls, and schemas
 whose references loop refused before they compile."""
 

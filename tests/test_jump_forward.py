@@ -17,8 +17,8 @@ from engine_helpers import assert_idle, new_engine, steady_drafts
 from helpers import save_tiny_model
 
 from radixlm.agents.grammar import GrammarCompiler
+from radixlm.api_types import SamplingParams
 from radixlm.engine.engine import Engine
-from radixlm.request import SamplingParams
 
 SCHEMA = {
     "type": "object",

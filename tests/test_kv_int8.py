@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -107,9 +108,9 @@ def test_copy_slots_moves_codes_and_scales() -> None:
     src, dst = pool.alloc(3), pool.alloc(3)
     for t in (pool.k, pool.v):
         t.random_(-127, 128)
-    for t in (pool.k_scales, pool.v_scales):
-        assert t is not None
-        t.uniform_()
+    for scales in (pool.k_scales, pool.v_scales):
+        assert scales is not None
+        scales.uniform_()
     pool.copy_slots(dst, src)
     for i in range(2):
         layer = pool.layer(i)
@@ -125,8 +126,8 @@ def test_copy_slots_moves_codes_and_scales() -> None:
     q_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
 )
 def test_decode_over_int8_kv_matches_attention_over_its_values(
-    built, batch, threads, q_dtype
-) -> None:  # type: ignore[no-untyped-def]
+    built: native.Kernels, batch: Any, threads: int, q_dtype: torch.dtype
+) -> None:
     """Decode (shared runs in tiles or row by row, own slots row by row) over int8 codes: the
     float32 tolerance against the dequantized K/V, the derived bound against the originals."""
     num_heads, num_kv_heads, head_dim, slot_lists = batch
@@ -167,8 +168,8 @@ def quantization_bound(
 @settings(max_examples=40, deadline=None)
 @given(batch=extend_batches(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**31 - 1))
 def test_extend_over_int8_kv_matches_causal_attention_over_its_values(
-    built, batch, threads, seed
-) -> None:  # type: ignore[no-untyped-def]
+    built: native.Kernels, batch: Any, threads: int, seed: int
+) -> None:
     """Prefill tiles over int8 codes (dequantized as each key block is staged): the float32
     tolerance against causal attention over the dequantized K/V."""
     num_heads, num_kv_heads, head_dim, lengths = batch
@@ -249,8 +250,8 @@ def test_head_major_int8_views_give_the_same_bits() -> None:
     def head_major(x: torch.Tensor) -> torch.Tensor:
         return x.transpose(0, 1).contiguous().transpose(0, 1)
 
-    layouts = [(kc, vc, KVScales(sk, sv)), tuple(head_major(t) for t in (kc, vc, sk, sv))]
-    layouts[1] = (layouts[1][0], layouts[1][1], KVScales(layouts[1][2], layouts[1][3]))
+    hk, hv, hsk, hsv = (head_major(t) for t in (kc, vc, sk, sv))
+    layouts = [(kc, vc, KVScales(sk, sv)), (hk, hv, KVScales(hsk, hsv))]
     gen = torch.Generator().manual_seed(3)
     slots = torch.randperm(90, generator=gen)[:40]
     q = torch.randn(3, 6, 32, generator=gen)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from engine_helpers import new_engine, outputs, run
+from helpers import TinyModel, TinyModels
 from test_model_numerics import EMPTY, Session, random_ids
 from test_native_kernel import ISAS, require_native_kernels
 
@@ -64,7 +65,9 @@ def load(tiny: Path, path: str, dtype: str = "float32") -> CausalLM:
     return model
 
 
-def test_int8_kv_logits_stay_within_the_bound_of_the_float_pool(each_tiny_hf_model, path) -> None:  # type: ignore[no-untyped-def]
+def test_int8_kv_logits_stay_within_the_bound_of_the_float_pool(
+    each_tiny_hf_model: TinyModel, path: str
+) -> None:
     """Every flag combination and attention path: the int8 pool's logits stay within the bound
     of the float32 pool's (prefill rows, decodes on a shared run and alone)."""
     model = load(each_tiny_hf_model.path, path)
@@ -77,8 +80,8 @@ def test_int8_kv_logits_stay_within_the_bound_of_the_float_pool(each_tiny_hf_mod
 
 @pytest.mark.parametrize("prefix_len", [1, 12, 23])
 def test_cached_prefix_logits_equal_uncached_over_int8(
-    each_tiny_hf_model, path, prefix_len
-) -> None:  # type: ignore[no-untyped-def]
+    each_tiny_hf_model: TinyModel, path: str, prefix_len: int
+) -> None:
     """Over an int8 pool as over a float one (fp32: max abs difference <= 1e-4), the logits of
     a prompt extending its cached prefix equal those of the prompt prefilled whole: every path
     attends the new tokens' K/V as the pool holds them, never the values before quantization."""
@@ -92,7 +95,9 @@ def test_cached_prefix_logits_equal_uncached_over_int8(
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_native_and_pytorch_int8_paths_store_the_same_codes(tiny_hf_model, dtype: str) -> None:
+def test_native_and_pytorch_int8_paths_store_the_same_codes(
+    tiny_hf_model: TinyModels, dtype: str
+) -> None:
     """The native rope_store and the PyTorch write quantize alike (csrc/rope_store.c mirrors
     cache/kv_quant.py): after the same prefill both pools hold the same scales and codes within
     one step (the two ropes round differently in float32), and the logits agree closely."""
@@ -105,6 +110,7 @@ def test_native_and_pytorch_int8_paths_store_the_same_codes(tiny_hf_model, dtype
         sessions.append((session.pool, logits))
     (native_pool, native_logits), (torch_pool, torch_logits) = sessions  # the same slots (seed)
     assert native_pool.k_scales is not None and torch_pool.k_scales is not None
+    assert native_pool.v_scales is not None and torch_pool.v_scales is not None
     codes = (native_pool.k.int() - torch_pool.k.int()).abs()
     if dtype == "float32":
         assert codes.max() <= 1 and (codes != 0).float().mean() < 1e-3

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from engine_helpers import assert_idle, outputs, run
 
+from radixlm.api_types import SamplingParams
 from radixlm.engine.engine import Engine, ForwardError
 from radixlm.engine.request import Request
-from radixlm.request import SamplingParams
 
 # forks: the samples that wait on it; draft_slots: a verify step's draft rows
 KV_FIELDS = {"node", "slots", "cached_len", "computed_len", "draft_slots", "forks"}
@@ -83,7 +83,7 @@ def fail_a_request(engine: Engine, prompt: list[int]) -> None:
     def broken(token_id: int) -> Any:
         raise RuntimeError("injected detokenizer fault")
 
-    req.output_stream.push = broken  # type: ignore[method-assign]
+    req.output_stream.push = broken  # type: ignore[method-assign]  # a fault injected for this test
     while engine.has_unfinished():
         engine.step()
     assert req.finish_reason == "error"
@@ -99,10 +99,10 @@ def fail_a_forward_pass(engine: Engine, prompts: list[list[int]]) -> None:
     def broken(batch: Any) -> Any:
         raise RuntimeError("injected forward fault")
 
-    engine.runner.forward = broken  # type: ignore[method-assign]
+    engine.runner.forward = broken  # type: ignore[method-assign]  # a fault injected for this test
     with pytest.raises(ForwardError) as failure:
         engine.step()
-    engine.runner.forward = forward  # type: ignore[method-assign]
+    engine.runner.forward = forward  # type: ignore[method-assign]  # the engine's own again
     engine.fail(failure.value.request_ids, "internal error")
     while engine.has_unfinished():
         engine.step()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from radixlm.cli import main
 SYS = list(range(1000, 1016))
 
 
-def request(prompt: list[int], output: list[int] = ()) -> TraceRequest:  # type: ignore[assignment]
+def request(prompt: list[int], output: Sequence[int] = ()) -> TraceRequest:
     return TraceRequest(np.array([*prompt, *output], dtype=np.int64), len(prompt))
 
 
@@ -36,8 +37,9 @@ def test_a_later_turn_comes_back_from_l2_and_a_first_turn_is_not_written() -> No
     # conversation 1: turns 1 and 2, pushed out of a 100-token L1 by fillers, then turn 3
     trace = [request(turn(1, 1)), request(turn(1, 2)), filler(1), filler(2), request(turn(1, 3))]
     ram = replay(trace, capacity=100, eval_start=4).summary()
-    tiered = replay(trace, capacity=100, l2_capacity=1000, eval_start=4, l2_write="filter")
-    tiered = tiered.summary()
+    tiered = replay(
+        trace, capacity=100, l2_capacity=1000, eval_start=4, l2_write="filter"
+    ).summary()
     assert ram["eval_token_hit_rate"] == tiered["eval_l1_hit_rate"] == 0.0
     # turn 2's whole path (56 tokens) was written as it finished; turn 1 alone was not
     assert tiered["eval_l2_hit_tokens"] == len(turn(1, 2))

@@ -15,6 +15,7 @@ import torch
 from radixlm.cache.kv_pool import KVPool
 from radixlm.cache.l2.cache import TieredRadixCache, make_tiered_cache
 from radixlm.cache.l2.extent_file import HEADER_BYTES, ExtentFile, Faults
+from radixlm.cache.l2.loads import LoadTicket
 from radixlm.cache.l2.node import EXTENT_TOKENS, extents_of, l2_children
 from radixlm.cache.l2.store import fingerprint as layout_fingerprint
 from radixlm.cache.prefix_cache import PendingMatch
@@ -141,7 +142,8 @@ def test_a_background_load_keeps_every_account_while_it_runs(tmp_path: Path) -> 
     cache.check_integrity()  # slots in flight, the chain pinned
     assert cache.num_in_flight == 3 * EXTENT_TOKENS
     joined = cache.match_or_load(A)  # another request for the same chain waits on the same read
-    assert isinstance(joined, PendingMatch) and joined.load is ticket.load  # type: ignore[attr-defined]
+    assert isinstance(joined, LoadTicket) and isinstance(ticket, LoadTicket)
+    assert joined.load is ticket.load
     cache.wait_loads([ticket], timeout_s=5.0)
     while not ticket.ready():
         cache.wait_loads([ticket], timeout_s=5.0)
@@ -198,7 +200,9 @@ def test_a_conversation_tail_loads_back_bit_exact_and_a_bad_one_is_recomputed(
         cache.flush()  # extents 0, 1 and the tail extent: tokens 128..148
         assert cache.tree.num_l2_extents == 3
         [node] = l2_children(cache.tree.root()).values()
-        tail = extents_of(node)[-1]  # type: ignore[index]
+        extents = extents_of(node)
+        assert extents is not None
+        tail = extents[-1]
         cache.store.wait_writes()
         if bad:  # one flipped byte in the tail extent's payload
             with open(tmp_path / str(bad) / "l2", "r+b") as f:

@@ -19,7 +19,7 @@ from engine_helpers import GREEDY, assert_idle, outputs, run, save_engine_model
 
 from radixlm.cache.l2.cache import TieredRadixCache
 from radixlm.cache.l2.extent_file import Faults
-from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
+from radixlm.config import CacheConfig, CacheKind, KVDType, ModelConfig, SchedulerConfig
 from radixlm.engine.engine import Engine
 from radixlm.server.metrics import ServerMetrics
 from radixlm.server.snapshot import take_snapshot
@@ -36,19 +36,19 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def engine(
     model_dir: Path,
-    cache: str = "radix",
+    cache: CacheKind = "radix",
     l2_dir: Path | None = None,
     l2_capacity: int = 4096,
-    kv_dtype: str | None = None,
+    kv_dtype: KVDType | None = None,
 ) -> Engine:
     return Engine(
         ModelConfig(path=str(model_dir), dtype="float32", num_threads=1),
         CacheConfig(
             num_slots=NUM_SLOTS,
-            cache=cache,  # type: ignore[arg-type]
+            cache=cache,
             l2_dir=None if l2_dir is None else str(l2_dir),
             l2_capacity=l2_capacity,
-            kv_dtype=kv_dtype,  # type: ignore[arg-type]
+            kv_dtype=kv_dtype,
         ),
         SchedulerConfig(),
     )

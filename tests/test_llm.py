@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import save_tiny_model
@@ -21,11 +22,13 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
 
 def test_text_ids_and_chat_prompts(llm: LLM) -> None:
     chat = [{"role": "user", "content": "hi"}]
-    text, ids, messages = llm.generate(["hello there", [72, 105, 33], chat], GREEDY)
+    prompts: list[str | list[int] | list[dict[str, Any]]] = ["hello there", [72, 105, 33], chat]
+    text, ids, messages = llm.generate(prompts, GREEDY)
     assert text.prompt_token_ids == llm.tokenizer.encode("hello there")
     assert ids.prompt_token_ids == [72, 105, 33]
     hf = llm.tokenizer.hf_tokenizer
     rendered = hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert isinstance(rendered, str)
     assert messages.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
     for out in (text, ids, messages):
         assert len(out.token_ids) == 8
@@ -70,6 +73,6 @@ def test_logprobs_are_returned_per_token(llm: LLM) -> None:
 
 def test_bad_prompts_raise(llm: LLM) -> None:
     with pytest.raises(ValueError, match="a prompt is"):
-        llm.generate([[1.5, 2.5]], GREEDY)  # type: ignore[list-item]
+        llm.generate([[1.5, 2.5]], GREEDY)  # type: ignore[arg-type]  # the bad value under test
     with pytest.raises(ValueError, match="role"):
         llm.generate([[{"role": "wizard", "content": "x"}]], GREEDY)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import cast
 
 import numpy as np
 import pytest
@@ -71,8 +72,11 @@ def test_greedy_matches_transformers(default_model: LoadedModel) -> None:
     ).eval()
     tokenizer = default_model.tokenizer
     for prompt in PROMPTS:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=False
+        ids = cast(  # token ids: tokenize=True, return_dict=False
+            list[int],
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=False
+            ),
         )
         with torch.inference_mode():
             expected = reference.generate(

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
 import pytest
 import torch
+from helpers import TinyModels
 
 from radixlm.cache.kv_pool import KVPool
 from radixlm.model.arch import ArchConfig
@@ -22,7 +24,9 @@ EMPTY = np.zeros(0, dtype=np.int64)
 IDS = [3, 17, 250, 99, 4, 4, 200, 1, 42, 7, 128, 64]
 
 
-def prefill_logits(model: CausalLM, ids: list[int], kv_dtype: torch.dtype | None = None):
+def prefill_logits(
+    model: CausalLM, ids: list[int], kv_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     c = model.config
     dtype = kv_dtype or model.model.embed_tokens.weight.dtype
     pool = KVPool(64, c.num_layers, c.num_kv_heads, c.head_dim, dtype)
@@ -31,7 +35,7 @@ def prefill_logits(model: CausalLM, ids: list[int], kv_dtype: torch.dtype | None
         return model(batch, pool)
 
 
-def write_gguf(reference: torch.nn.Module, path: Path, arch: str | None = None) -> Path:
+def write_gguf(reference: Any, path: Path, arch: str | None = None) -> Path:
     """The reference model as llama.cpp's converter would write it (F32, q/k rows permuted)."""
     cfg = reference.config
     arch = arch or cfg.model_type
@@ -100,7 +104,9 @@ def test_rope_permutation_round_trips() -> None:
 @pytest.mark.parametrize(
     "variant", ["llama-mha-tied-bias", "llama-mqa", "qwen2-gqa-tied", "qwen3-gqa-qknorm"]
 )
-def test_gguf_loads_like_its_hf_checkpoint(variant: str, tiny_hf_model, tmp_path: Path) -> None:
+def test_gguf_loads_like_its_hf_checkpoint(
+    variant: str, tiny_hf_model: TinyModels, tmp_path: Path
+) -> None:
     reference = tiny_hf_model(variant).reference
     model = load_causal_lm(str(write_gguf(reference, tmp_path / "tiny.gguf")))
     with torch.inference_mode():
@@ -108,7 +114,7 @@ def test_gguf_loads_like_its_hf_checkpoint(variant: str, tiny_hf_model, tmp_path
     assert (prefill_logits(model, IDS) - expected).abs().max() <= 1e-4
 
 
-def test_load_model_returns_config_and_tokenizer(tiny_hf_model) -> None:
+def test_load_model_returns_config_and_tokenizer(tiny_hf_model: TinyModels) -> None:
     loaded = load_model(str(tiny_hf_model("qwen2-gqa-tied").path))
     assert loaded.config.qkv_bias and loaded.config.tie_word_embeddings
     assert loaded.config.eos_token_ids == (257,)
@@ -116,11 +122,11 @@ def test_load_model_returns_config_and_tokenizer(tiny_hf_model) -> None:
     prompt = loaded.tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )
-    assert prompt.endswith("<|im_start|>assistant\n")
+    assert isinstance(prompt, str) and prompt.endswith("<|im_start|>assistant\n")
 
 
 @pytest.mark.parametrize("pack_weights", [True, False])
-def test_bfloat16_and_a_narrower_kv_pool(tiny_hf_model, pack_weights: bool) -> None:
+def test_bfloat16_and_a_narrower_kv_pool(tiny_hf_model: TinyModels, pack_weights: bool) -> None:
     path = str(tiny_hf_model("llama-gqa-llama3rope").path)
     full = prefill_logits(load_causal_lm(path), IDS)
     half = load_causal_lm(path, dtype="bfloat16", pack_weights=pack_weights)
@@ -129,7 +135,7 @@ def test_bfloat16_and_a_narrower_kv_pool(tiny_hf_model, pack_weights: bool) -> N
     assert (fp32_model_bf16_kv - full).abs().max() < 0.5
 
 
-def test_sequence_longer_than_context_is_refused(tiny_hf_model) -> None:
+def test_sequence_longer_than_context_is_refused(tiny_hf_model: TinyModels) -> None:
     model = load_causal_lm(str(tiny_hf_model("llama-mqa").path))  # context 64
     c = model.config
     pool = KVPool(128, c.num_layers, c.num_kv_heads, c.head_dim)
@@ -157,13 +163,15 @@ def copy_with_config(src: Path, dst: Path, **changes: object) -> Path:
         ({"intermediate_size": 80}, "checkpoint shape"),
     ],
 )
-def test_bad_configs_are_refused(tiny_hf_model, tmp_path: Path, changes, message) -> None:
+def test_bad_configs_are_refused(
+    tiny_hf_model: TinyModels, tmp_path: Path, changes: dict[str, object], message: str
+) -> None:
     path = copy_with_config(tiny_hf_model("llama-mqa").path, tmp_path / "m", **changes)
     with pytest.raises(ValueError, match=message):
         load_causal_lm(str(path))
 
 
-def test_missing_files(tiny_hf_model, tmp_path: Path) -> None:
+def test_missing_files(tiny_hf_model: TinyModels, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="not found"):
         load_model(str(tmp_path / "nowhere"))
     (tmp_path / "empty").mkdir()
@@ -175,7 +183,7 @@ def test_missing_files(tiny_hf_model, tmp_path: Path) -> None:
         load_causal_lm(str(path))
 
 
-def test_missing_weight_is_refused(tiny_hf_model, tmp_path: Path) -> None:
+def test_missing_weight_is_refused(tiny_hf_model: TinyModels, tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
     path = copy_with_config(tiny_hf_model("llama-mqa").path, tmp_path / "m")
@@ -186,7 +194,7 @@ def test_missing_weight_is_refused(tiny_hf_model, tmp_path: Path) -> None:
         load_causal_lm(str(path))
 
 
-def test_gguf_errors(tiny_hf_model, tmp_path: Path) -> None:
+def test_gguf_errors(tiny_hf_model: TinyModels, tmp_path: Path) -> None:
     reference = tiny_hf_model("llama-mqa").reference
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'"):
         load_causal_lm(str(write_gguf(reference, tmp_path / "gpt2.gguf", arch="gpt2")))
@@ -205,7 +213,7 @@ def test_gguf_errors(tiny_hf_model, tmp_path: Path) -> None:
         load_causal_lm(str(path))
 
 
-def test_bad_dtype_and_device(tiny_hf_model) -> None:
+def test_bad_dtype_and_device(tiny_hf_model: TinyModels) -> None:
     path = str(tiny_hf_model("llama-mqa").path)
     with pytest.raises(ValueError, match="dtype"):
         load_causal_lm(path, dtype="float64")
@@ -237,7 +245,7 @@ def test_transformers_4_config_fields() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_matches_cpu(tiny_hf_model) -> None:
+def test_cuda_matches_cpu(tiny_hf_model: TinyModels) -> None:
     path = str(tiny_hf_model("qwen3-gqa-qknorm").path)
     cpu = prefill_logits(load_causal_lm(path), IDS)
     model = load_causal_lm(path, device="cuda")

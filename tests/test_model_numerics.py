@@ -9,13 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from helpers import TinyModel, TinyModels
 from test_native_kernel import ISAS, require_native_kernels
 
 from radixlm.cache.kv_pool import KVPool
+from radixlm.config import KVDType, ModelDType
 from radixlm.model import native, packed_linear, shared_prefix
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.loader import load_causal_lm
@@ -77,15 +81,20 @@ def assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
 
 
 @pytest.fixture(params=ISAS, ids=[f"isa-{isa}" for isa in ISAS])
-def isa(request, monkeypatch) -> str:  # type: ignore[no-untyped-def]
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each kernel variant this CPU can execute, forced for the test (RADIXLM_ISA)."""
     monkeypatch.setenv("RADIXLM_ISA", request.param)
     require_native_kernels(request.param)
     return str(request.param)
 
 
+Variant = tuple[CausalLM, Any]  # our model and the transformers reference
+
+
 @pytest.fixture(params=[*ISAS, "torch"], ids=[*(f"native-{i}" for i in ISAS), "torch-attention"])
-def variant(each_tiny_hf_model, request, monkeypatch):  # type: ignore[no-untyped-def]
+def variant(
+    each_tiny_hf_model: TinyModel, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Variant:
     """(our model, the transformers reference), once per flag combination and attention path
     (the native kernels of each variant the CPU executes, reading the pool in place; PyTorch
     SDPA over gathered K/V)."""
@@ -99,7 +108,7 @@ def variant(each_tiny_hf_model, request, monkeypatch):  # type: ignore[no-untype
     return model, each_tiny_hf_model.reference
 
 
-def test_full_prefill(variant) -> None:  # type: ignore[no-untyped-def]
+def test_full_prefill(variant: Variant) -> None:
     model, reference = variant
     ids = random_ids(SEQ_LEN, seed=1)
     logits, _ = Session(model).forward([ids], [EMPTY], all_logits=True)
@@ -107,7 +116,7 @@ def test_full_prefill(variant) -> None:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("prefix_len", [0, 1, SEQ_LEN // 2, SEQ_LEN - 1])
-def test_extend_on_cached_prefix(variant, prefix_len: int) -> None:  # type: ignore[no-untyped-def]
+def test_extend_on_cached_prefix(variant: Variant, prefix_len: int) -> None:
     model, reference = variant
     ids = random_ids(SEQ_LEN, seed=2)
     session = Session(model)
@@ -116,7 +125,7 @@ def test_extend_on_cached_prefix(variant, prefix_len: int) -> None:  # type: ign
     assert_close(logits, reference_logits(reference, ids)[prefix_len:])
 
 
-def test_decode_steps(variant) -> None:  # type: ignore[no-untyped-def]
+def test_decode_steps(variant: Variant) -> None:
     model, reference = variant
     ids = random_ids(SEQ_LEN, seed=3)
     expected = reference_logits(reference, ids)
@@ -127,7 +136,7 @@ def test_decode_steps(variant) -> None:  # type: ignore[no-untyped-def]
         assert_close(logits[0], expected[pos])
 
 
-def test_mixed_batch(variant) -> None:  # type: ignore[no-untyped-def]
+def test_mixed_batch(variant: Variant) -> None:
     """One extend batch of requests with different lengths and prefixes, then batched decodes."""
     model, reference = variant
     lengths, prefix_lens = [5, 17, 24, 9], [0, 8, 23, 3]
@@ -147,7 +156,7 @@ def test_mixed_batch(variant) -> None:  # type: ignore[no-untyped-def]
             assert_close(got, want[n + step])
 
 
-def test_decodes_riding_along_with_a_prefill_chunk(variant) -> None:  # type: ignore[no-untyped-def]
+def test_decodes_riding_along_with_a_prefill_chunk(variant: Variant) -> None:
     """A mixed step: one-token requests on a prefix (batched decode rows) between prefills."""
     model, reference = variant
     lengths, prefix_lens = [6, 20, 11, 24, 2], [0, 19, 4, 23, 1]
@@ -161,7 +170,9 @@ def test_decodes_riding_along_with_a_prefill_chunk(variant) -> None:  # type: ig
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["flash-lse", "explicit-lse"])
-def test_decode_requests_sharing_prefix_slots(variant, fused, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_decode_requests_sharing_prefix_slots(
+    variant: Variant, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Requests on the same cached prefix slots (as the radix tree hands them out): the shared
     run is attended once for the group, the rest per request, and the logits do not move."""
     if not fused:
@@ -186,8 +197,8 @@ def test_decode_requests_sharing_prefix_slots(variant, fused, monkeypatch) -> No
 @pytest.mark.parametrize("native_kernels", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_bfloat16_kv_decodes_sharing_a_prefix(
-    tiny_hf_model, dtype: str, native_kernels: bool
-) -> None:  # type: ignore[no-untyped-def]
+    tiny_hf_model: TinyModels, dtype: str, native_kernels: bool
+) -> None:
     """A bfloat16 pool (under a bfloat16 or a float32 model): decodes on a shared run, in a pure
     decode step and riding along with a prefill, stay near the float32 reference."""
     tiny = tiny_hf_model("llama-gqa-llama3rope")
@@ -216,8 +227,12 @@ def test_bfloat16_kv_decodes_sharing_a_prefix(
 )
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_decode_step_equals_the_layer_loop(
-    tiny_hf_model, isa: str, dtype: str, kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
-) -> None:  # type: ignore[no-untyped-def]
+    tiny_hf_model: TinyModels,
+    isa: str,
+    dtype: str,
+    kv_dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A pure decode step through FusedDecode (the layer loop in one native call) gives the same
     bits as the Python loop over the same kernels: logits and the K/V it writes, with requests
     on a shared run and one alone, over several steps, and a step of 20 requests."""
@@ -225,11 +240,14 @@ def test_fused_decode_step_equals_the_layer_loop(
     model = load_causal_lm(str(tiny_hf_model("llama-gqa-llama3rope").path), dtype=dtype)
     fused = model.backend
     assert fused.fused is not None and fused.kernels is not None and fused.kernels.isa == isa
-    calls = []
+    calls: list[int] = []
     real = native.Kernels.decode_layers
-    monkeypatch.setattr(
-        native.Kernels, "decode_layers", lambda self, *a: calls.append(1) or real(self, *a)
-    )
+
+    def counted(self: native.Kernels, *args: Any) -> Any:
+        calls.append(1)
+        return real(self, *args)
+
+    monkeypatch.setattr(native.Kernels, "decode_layers", counted)
     runs = []
     for fuse in (True, False, True):  # the second fused run on a new pool: no stale pool addresses
         model.backend = fused if fuse else replace(fused, fused=None)
@@ -262,10 +280,11 @@ def test_fused_decode_step_equals_the_layer_loop(
         assert fused_calls == 3 + (fused.native_linear_rows >= 20)
         assert torch.equal(fused_logits, loop_logits)
         assert torch.equal(fused_kv[0], loop_kv[0])
-        assert fused_kv[1] is None or torch.equal(fused_kv[1], loop_kv[1])  # int8's scales
+        if fused_kv[1] is not None:  # int8's scales
+            assert loop_kv[1] is not None and torch.equal(fused_kv[1], loop_kv[1])
 
 
-def test_fused_decode_refuses_what_does_not_fit(tiny_hf_model) -> None:  # type: ignore[no-untyped-def]
+def test_fused_decode_refuses_what_does_not_fit(tiny_hf_model: TinyModels) -> None:
     """decode_layers checks what it is handed before any native code runs: tables of the wrong
     shape or type, rows the layout does not have, a dtype it does not run, K/V strides of no
     pool layout."""
@@ -303,7 +322,9 @@ def test_fused_decode_refuses_what_does_not_fit(tiny_hf_model) -> None:  # type:
 
 
 @pytest.mark.parametrize("variant", ["llama-mha-tied-bias", "qwen3-gqa-qknorm"])
-def test_fused_decode_is_not_used_where_it_does_not_apply(tiny_hf_model, variant: str) -> None:  # type: ignore[no-untyped-def]
+def test_fused_decode_is_not_used_where_it_does_not_apply(
+    tiny_hf_model: TinyModels, variant: str
+) -> None:
     """Biases and q/k norms are not in the native layer loop: those models keep the Python one
     (whose decode steps the reference tests above check)."""
     require_native_kernels()
@@ -323,7 +344,7 @@ def test_shared_runs_are_found_from_slot_ids() -> None:
     assert find_shared_prefixes(lists[:1] + lists[3:]) == []
 
 
-def test_decode_batch_with_a_one_token_prompt(variant) -> None:  # type: ignore[no-untyped-def]
+def test_decode_batch_with_a_one_token_prompt(variant: Variant) -> None:
     """A decode step may hold a request with nothing cached yet next to a long one."""
     model, reference = variant
     short, long = random_ids(1, seed=20), random_ids(SEQ_LEN, seed=21)
@@ -337,10 +358,14 @@ def test_decode_batch_with_a_one_token_prompt(variant) -> None:  # type: ignore[
 def test_a_decode_is_one_new_token_over_a_prefix() -> None:
     """ForwardBatch.is_decode, the model's one definition, which attention and the fused decode
     step ask: a one-token prompt with nothing cached is not a decode."""
-    decodes = ForwardBatch.build([[1], [2]], [np.arange(3), np.arange(5)], [[7], [8]])
+    decodes = ForwardBatch.build(
+        [[1], [2]], [np.arange(3), np.arange(5)], [np.array([7]), np.array([8])]
+    )
     assert decodes.is_decode == (True, True) and decodes.is_pure_decode
     mixed = ForwardBatch.build(
-        [[1], [2], [3, 4]], [EMPTY, np.arange(5), EMPTY], [[7], [8], [9, 10]]
+        [[1], [2], [3, 4]],
+        [EMPTY, np.arange(5), EMPTY],
+        [np.array([7]), np.array([8]), np.array([9, 10])],
     )
     assert mixed.is_decode == (False, True, False) and not mixed.is_pure_decode
 
@@ -348,22 +373,22 @@ def test_a_decode_is_one_new_token_over_a_prefix() -> None:
 @pytest.mark.parametrize("kv_dtype", [None, "int8"], ids=["model-kv", "int8-kv"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_outputs_with_and_without_the_cache_per_variant(
-    isa: str, dtype: str, kv_dtype: str | None, tmp_path
-) -> None:  # type: ignore[no-untyped-def]
+    isa: str, dtype: ModelDType, kv_dtype: KVDType | None, tmp_path: Path
+) -> None:
     """Each kernel variant, end to end through the engine: greedy outputs are token for token
     the same with the radix cache on (twice: cold, then warm) and off, with the pool in the
     model's dtype or in int8 (the same K/V quantized the same way, cached or recomputed)."""
     from helpers import save_tiny_model
     from test_engine import outputs, run, shared_prefix_prompts
 
-    from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
+    from radixlm.config import CacheConfig, CacheKind, ModelConfig, SchedulerConfig
     from radixlm.engine.engine import Engine
 
     save_tiny_model("llama-gqa-llama3rope", tmp_path, max_position_embeddings=1024)
 
-    def make(cache: str) -> Engine:
-        model = ModelConfig(path=str(tmp_path), num_threads=1, dtype=dtype)  # type: ignore[arg-type]
-        cache_config = CacheConfig(num_slots=4096, cache=cache, kv_dtype=kv_dtype)  # type: ignore[arg-type]
+    def make(cache: CacheKind) -> Engine:
+        model = ModelConfig(path=str(tmp_path), num_threads=1, dtype=dtype)
+        cache_config = CacheConfig(num_slots=4096, cache=cache, kv_dtype=kv_dtype)
         return Engine(model, cache_config, SchedulerConfig())
 
     prompts = shared_prefix_prompts()
@@ -374,7 +399,9 @@ def test_greedy_outputs_with_and_without_the_cache_per_variant(
     assert outputs(run(engine, prompts)) == reference  # warm: most prompts hit the cache
 
 
-def test_bfloat16_runs_where_onednn_cannot_pack_it(tiny_hf_model, isa: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_bfloat16_runs_where_onednn_cannot_pack_it(
+    tiny_hf_model: TinyModels, isa: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Where oneDNN refuses to pack bfloat16 weights (a CPU with AVX2 but not AVX-512;
     pretended here), a bfloat16 model still loads and runs: dense weights for F.linear, the
     native kernels' own packing for theirs (the fused decode step included)."""
@@ -404,7 +431,9 @@ def test_bfloat16_runs_where_onednn_cannot_pack_it(tiny_hf_model, isa: str, monk
         packed_linear.packs.cache_clear()
 
 
-def test_the_backend_is_chosen_once_at_load(tiny_hf_model, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_the_backend_is_chosen_once_at_load(
+    tiny_hf_model: TinyModels, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A forward never looks the kernels up again: the backend chosen at load runs, and a model
     loaded with RADIXLM_NATIVE=0 stays on the PyTorch path after the variable changes."""
     require_native_kernels()

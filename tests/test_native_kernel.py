@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,7 +49,7 @@ ISAS = [v.name for v in native_build.executable_variants()]
 
 
 @pytest.fixture(scope="module", params=ISAS)
-def built(request) -> native.Kernels:  # type: ignore[no-untyped-def]
+def built(request: pytest.FixtureRequest) -> native.Kernels:
     """The kernels of each variant this CPU can execute."""
     return require_native_kernels(request.param)
 
@@ -67,8 +68,11 @@ def reference(
     return torch.stack(outs).float()
 
 
+DecodeBatch = tuple[int, int, int, list[torch.Tensor]]  # heads, kv heads, head_dim, slot lists
+
+
 @st.composite
-def decode_batches(draw):  # type: ignore[no-untyped-def]
+def decode_batches(draw: st.DrawFn) -> DecodeBatch:
     """(heads, kv_heads, head_dim, slot lists) with some lists sharing a leading run."""
     num_kv_heads = draw(st.sampled_from([1, 2, 3]))
     num_heads = num_kv_heads * draw(st.sampled_from([1, 3, 4]))
@@ -110,7 +114,9 @@ def check_bf16_dots(kernels: native.Kernels) -> None:
     threads=st.sampled_from([1, 2]),
     dtypes=st.sampled_from([*DTYPES, BF16_MODEL]),
 )
-def test_kernel_matches_softmax_attention(built, batch, threads: int, dtypes) -> None:  # type: ignore[no-untyped-def]
+def test_kernel_matches_softmax_attention(
+    built: native.Kernels, batch: DecodeBatch, threads: int, dtypes: tuple[torch.dtype, torch.dtype]
+) -> None:
     """float32 queries: float32 arithmetic over float32 or bfloat16 storage; the reference reads
     the same stored values, so both pools meet the float32 tolerance. bfloat16 queries (a
     bfloat16 model): shared runs in bfloat16 dot products where the CPU has them, the output
@@ -140,7 +146,9 @@ def test_kernel_matches_softmax_attention(built, batch, threads: int, dtypes) ->
 
 
 @pytest.mark.parametrize("dtypes", [*DTYPES, BF16_MODEL], ids=["f32", "f32-bf16kv", "bf16"])
-def test_a_request_gets_the_same_bits_alone_and_in_a_batch(built, dtypes) -> None:  # type: ignore[no-untyped-def]
+def test_a_request_gets_the_same_bits_alone_and_in_a_batch(
+    built: native.Kernels, dtypes: tuple[torch.dtype, torch.dtype]
+) -> None:
     """However the kernel splits its tasks (a lone request's query heads go to separate threads,
     a batch's kv heads do), each request's output is bit for bit the same alone or batched."""
     q_dtype, kv_dtype = dtypes
@@ -174,8 +182,11 @@ def causal_reference(
     return torch.einsum("hel,lhd->ehd", scores.softmax(-1), vs).float()
 
 
+ExtendBatch = tuple[int, int, int, list[tuple[int, int]]]  # heads, kv heads, head_dim, lengths
+
+
 @st.composite
-def extend_batches(draw):  # type: ignore[no-untyped-def]
+def extend_batches(draw: st.DrawFn) -> ExtendBatch:
     """(heads, kv_heads, head_dim, [(prefix_len, extend_len)])."""
     num_kv_heads = draw(st.sampled_from([1, 2, 3]))
     num_heads = num_kv_heads * draw(st.sampled_from([1, 3, 4]))
@@ -184,10 +195,19 @@ def extend_batches(draw):  # type: ignore[no-untyped-def]
     return num_heads, num_kv_heads, head_dim, draw(st.lists(lengths, min_size=1, max_size=4))
 
 
-def run_extend(  # type: ignore[no-untyped-def]
-    kernels, batch, threads: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, seed: int
-) -> tuple[torch.Tensor, list[tuple[int, int, int, torch.Tensor]], torch.Tensor, ...]:
-    """A random pool and spans for `batch`, and the extend kernel's output over them."""
+Spans = list[tuple[int, int, int, torch.Tensor]]  # (first row, extend_len, prefix_len, slots)
+
+
+def run_extend(
+    kernels: native.Kernels,
+    batch: ExtendBatch,
+    threads: int,
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    seed: int,
+) -> tuple[torch.Tensor, Spans, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random pool and spans for `batch`, and the extend kernel's output over them: (output,
+    spans, q, k, v)."""
     num_heads, num_kv_heads, head_dim, lengths = batch
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(NUM_SLOTS, generator=gen)
@@ -216,7 +236,9 @@ def run_extend(  # type: ignore[no-untyped-def]
     kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_extend_kernel_matches_causal_attention(built, batch, threads, kv_dtype, seed) -> None:  # type: ignore[no-untyped-def]
+def test_extend_kernel_matches_causal_attention(
+    built: native.Kernels, batch: ExtendBatch, threads: int, kv_dtype: torch.dtype, seed: int
+) -> None:
     """float32 queries: float32 arithmetic over float32 or bfloat16 storage."""
     got, spans, q, k, v = run_extend(built, batch, threads, torch.float32, kv_dtype, seed)
     for first, extend_len, prefix_len, slots in spans:
@@ -226,7 +248,9 @@ def test_extend_kernel_matches_causal_attention(built, batch, threads, kv_dtype,
 
 @settings(max_examples=40, deadline=None)
 @given(batch=extend_batches(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**31 - 1))
-def test_extend_bfloat16_model_matches_causal_attention(built, batch, threads, seed) -> None:  # type: ignore[no-untyped-def]
+def test_extend_bfloat16_model_matches_causal_attention(
+    built: native.Kernels, batch: ExtendBatch, threads: int, seed: int
+) -> None:
     """A bfloat16 model over a bfloat16 pool: bfloat16 dot products where the CPU has them
     (the probabilities rounded to bfloat16), float32 arithmetic where not; bfloat16 out."""
     check_bf16_dots(built)
@@ -242,7 +266,9 @@ def test_extend_bfloat16_model_matches_causal_attention(built, batch, threads, s
 
 @pytest.mark.parametrize("dtypes", [*DTYPES, BF16_MODEL], ids=["f32", "f32-kv-bf16", "bf16"])
 @pytest.mark.parametrize("num_tokens", [1, 7, 100])
-def test_rope_store_matches_pytorch(built, dtypes, num_tokens: int) -> None:  # type: ignore[no-untyped-def]
+def test_rope_store_matches_pytorch(
+    built: native.Kernels, dtypes: tuple[torch.dtype, torch.dtype], num_tokens: int
+) -> None:
     """One call = split + rope on q and k + the K/V write into the pool, in float32 arithmetic
     whatever qkv's dtype; bfloat16 results round like PyTorch's cast (to nearest even)."""
     kernels = built
@@ -357,7 +383,9 @@ def test_bfloat16_queries_come_back_bfloat16() -> None:
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
-def test_a_failed_build_falls_back_to_pytorch(monkeypatch, tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_a_failed_build_falls_back_to_pytorch(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A compiler that fails: no kernels, an error naming the variant and the compiler, and
     no exception."""
     monkeypatch.setenv("CC", "false")
@@ -374,12 +402,12 @@ def test_a_failed_build_falls_back_to_pytorch(monkeypatch, tmp_path, caplog) -> 
         native.kernels_for.cache_clear()
 
 
-def test_disabled_by_environment(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RADIXLM_NATIVE", "0")
     assert native.kernels() is None
 
 
-def test_isa_forced_by_environment(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_isa_forced_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """RADIXLM_ISA picks any variant the CPU executes, and refuses, saying why, one it cannot
     or one that does not exist."""
     for isa in ISAS:
@@ -396,13 +424,13 @@ def test_isa_forced_by_environment(monkeypatch) -> None:  # type: ignore[no-unty
             native.kernels()
 
 
-def test_the_best_variant_runs_by_default(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_the_best_variant_runs_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RADIXLM_ISA", raising=False)
     assert native_build.chosen_variant().name == ISAS[0]
     assert native_build.GENERIC.name in ISAS  # the portable build runs anywhere
 
 
-def test_a_refused_variant_names_what_the_cpu_lacks(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_refused_variant_names_what_the_cpu_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a CPU with AVX2 but no AVX-512 (pretended here), avx2 runs and avx512 is refused."""
     avx2_only = native_build.AVX2.needs | {"sse2"}
     monkeypatch.setattr(native_build, "cpu_flags", lambda: avx2_only)
@@ -431,7 +459,9 @@ def test_a_nonzero_status_raises_naming_the_function() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 8, 100])
 @pytest.mark.parametrize("with_delta", [True, False])
-def test_add_rms_norm_matches_pytorch(built, dtype, num_tokens: int, with_delta: bool) -> None:  # type: ignore[no-untyped-def]
+def test_add_rms_norm_matches_pytorch(
+    built: native.Kernels, dtype: torch.dtype, num_tokens: int, with_delta: bool
+) -> None:
     """h += delta in place, then F.rms_norm(h) * weight; bfloat16 rounds h after the add (as
     `h + delta` would) and the output once (PyTorch also computes its norm in float32)."""
     gen = torch.Generator().manual_seed(num_tokens)
@@ -459,7 +489,9 @@ def test_add_rms_norm_refuses_mixed_inputs() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 8, 100])
-def test_silu_mul_matches_pytorch(built, dtype, num_tokens: int) -> None:  # type: ignore[no-untyped-def]
+def test_silu_mul_matches_pytorch(
+    built: native.Kernels, dtype: torch.dtype, num_tokens: int
+) -> None:
     """silu(gate) * up from the stacked gate_up rows, float32 arithmetic, one rounding."""
     gen = torch.Generator().manual_seed(num_tokens)
     gate_up = (torch.randn(num_tokens, 2 * 48, generator=gen) * 4).to(dtype)
@@ -481,7 +513,15 @@ def test_silu_mul_matches_pytorch(built, dtype, num_tokens: int) -> None:  # typ
     threads=st.sampled_from([1, 2]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_skinny_linear_matches_f_linear(built, rows, blocks, half_k, dtype, threads, seed) -> None:  # type: ignore[no-untyped-def]
+def test_skinny_linear_matches_f_linear(
+    built: native.Kernels,
+    rows: int,
+    blocks: int,
+    half_k: int,
+    dtype: torch.dtype,
+    threads: int,
+    seed: int,
+) -> None:
     """x W^T from the packed weight, streamed (decode-sized batches) or in register tiles (more
     rows: slabs of 96, tiles of 8 rows x 3 column blocks, and their remainders): float32 to
     float32 rounding; bfloat16 to one rounding of the float32 result (AVX512-BF16 dot products
@@ -530,7 +570,9 @@ def test_each_matmul_goes_to_the_faster_path(isa: str) -> None:
     assert kernels.runs_linear(512, onednn_packed=True) == (isa in ("avx512", "avx2"))
 
 
-def test_the_install_step_fails_loudly_on_a_broken_build(monkeypatch, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_the_install_step_fails_loudly_on_a_broken_build(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`python -m radixlm.model.native_build` (make's install step): a variant that does not
     compile is a nonzero exit naming it; no compiler at all is a warning and exit 0 (the
     kernels are then off, not broken)."""

@@ -10,6 +10,7 @@ import pytest
 from tiny_tokenizers import byte_level
 
 from radixlm.observatory.replay import PromptReplay
+from radixlm.tokenizer import Tokenizer
 
 SYSTEM = "You are a helpful assistant. Answer briefly and cite your sources."
 TOOLS = [
@@ -23,11 +24,11 @@ def chat(*messages: tuple[str, str], **extra: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def tokenizer():  # type: ignore[no-untyped-def]
+def tokenizer() -> Tokenizer:
     return byte_level()
 
 
-def test_repeated_prompt_is_a_hit(tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_repeated_prompt_is_a_hit(tokenizer: Tokenizer) -> None:
     replay = PromptReplay(tokenizer)
     body = chat(("system", SYSTEM), ("user", "What is a radix tree?"))
     assert replay.request(body).reason == "new_content"  # an empty tree: all of it is new
@@ -35,7 +36,7 @@ def test_repeated_prompt_is_a_hit(tokenizer) -> None:  # type: ignore[no-untyped
     assert report.reason == "hit" and report.cached_len == report.prompt_len - 1
 
 
-def test_timestamp_on_top_is_volatile(tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_timestamp_on_top_is_volatile(tokenizer: Tokenizer) -> None:
     replay = PromptReplay(tokenizer)
     replay.request(chat(("system", f"Now: 2026-12-01 15:20:31\n{SYSTEM}"), ("user", "Hi")))
     report = replay.request(chat(("system", f"Now: 2026-12-01 15:21:07\n{SYSTEM}"), ("user", "Hi")))
@@ -47,7 +48,7 @@ def test_timestamp_on_top_is_volatile(tokenizer) -> None:  # type: ignore[no-unt
     assert "end of the prompt" in (report.fix or "")
 
 
-def test_shuffled_tools_field_still_hits(tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_shuffled_tools_field_still_hits(tokenizer: Tokenizer) -> None:
     """Tools in the `tools` field are sorted before rendering: their order cannot miss."""
     replay = PromptReplay(tokenizer)
     replay.request(chat(("system", SYSTEM), ("user", "Hi"), tools=TOOLS))
@@ -55,7 +56,7 @@ def test_shuffled_tools_field_still_hits(tokenizer) -> None:  # type: ignore[no-
     assert report.reason == "hit"
 
 
-def test_shuffled_tools_in_the_system_prompt_are_reordered(tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_shuffled_tools_in_the_system_prompt_are_reordered(tokenizer: Tokenizer) -> None:
     """A client that writes its tools into the prompt itself, in another order each time."""
     lines = [json.dumps(t["function"]) for t in TOOLS]
     replay = PromptReplay(tokenizer)
@@ -66,7 +67,7 @@ def test_shuffled_tools_in_the_system_prompt_are_reordered(tokenizer) -> None:  
     assert "stable order" in (report.fix or "")
 
 
-def test_re_rendered_assistant_turn(tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_re_rendered_assistant_turn(tokenizer: Tokenizer) -> None:
     replay = PromptReplay(tokenizer)
     first = chat(("system", SYSTEM), ("user", "Hi"))
     replay.request({**first, "response": "<think>greet back</think>Hello! How can I help?"})
@@ -87,7 +88,7 @@ def test_re_rendered_assistant_turn(tokenizer) -> None:  # type: ignore[no-untyp
     assert report.reason == "new_content" and report.segment == "messages[3].header"
 
 
-def test_evicted_prefix(tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_evicted_prefix(tokenizer: Tokenizer) -> None:
     replay = PromptReplay(tokenizer, capacity=200)
     first = chat(("system", SYSTEM), ("user", "First question about caching " * 2))
     replay.request(first)
@@ -99,7 +100,7 @@ def test_evicted_prefix(tokenizer) -> None:  # type: ignore[no-untyped-def]
     assert report.lost_tokens == report.prompt_len - 1 - report.cached_len
 
 
-def test_new_content_and_position(tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_new_content_and_position(tokenizer: Tokenizer) -> None:
     replay = PromptReplay(tokenizer)
     replay.request(chat(("system", SYSTEM), ("user", "Explain radix trees.")))
     report = replay.request(chat(("system", SYSTEM), ("user", "Why is the sky blue?")))
@@ -108,10 +109,11 @@ def test_new_content_and_position(tokenizer) -> None:  # type: ignore[no-untyped
     prefix = tokenizer.hf_tokenizer.decode(
         replay.renderer.prompt_ids(chat(("system", SYSTEM), ("user", "W"))["messages"])
     )
+    assert isinstance(prefix, str)
     assert report.before == prefix[: prefix.rindex("W")][-40:]
 
 
-def test_another_salt(tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_another_salt(tokenizer: Tokenizer) -> None:
     replay = PromptReplay(tokenizer)
     body = chat(("system", SYSTEM), ("user", "Hi"))
     replay.request({**body, "cache_salt": "tenant-a"})
@@ -120,7 +122,7 @@ def test_another_salt(tokenizer) -> None:  # type: ignore[no-untyped-def]
     assert report.lost_tokens == report.prompt_len - 1
 
 
-def test_tool_call_sent_back_re_serialized(tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_tool_call_sent_back_re_serialized(tokenizer: Tokenizer) -> None:
     """The model wrote its call's arguments one way; the client sends them back compacted."""
     replay = PromptReplay(tokenizer)
     first = chat(("system", SYSTEM), ("user", "Look up radix trees"), tools=TOOLS)

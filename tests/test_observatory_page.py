@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -133,7 +134,7 @@ def shown(dom: str) -> int:
     return int(dom.split('data-shown="')[1].split('"')[0])
 
 
-def httpx_get(server: LiveServer, path: str, key: bool = True):  # type: ignore[no-untyped-def]
+def httpx_get(server: LiveServer, path: str, key: bool = True) -> Any:
     import httpx
 
     return httpx.get(server.url + path, headers=server.headers if key else {}, timeout=30)

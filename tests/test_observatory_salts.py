@@ -3,6 +3,8 @@ hashes, and a report peeks only that namespace, however many namespaces the tree
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -58,7 +60,12 @@ def test_probe_peeks_only_the_named_namespaces(monkeypatch: pytest.MonkeyPatch) 
     asked = header + ids(10 + 1234, 60)
     peeked: list[object] = []
     peek = tree.peek
-    monkeypatch.setattr(tree, "peek", lambda t, ns: peeked.append(ns) or peek(t, ns))
+
+    def peek_noted(t: np.ndarray, ns: str | None) -> Any:
+        peeked.append(ns)
+        return peek(t, ns)
+
+    monkeypatch.setattr(tree, "peek", peek_noted)
     probe = probe_tree(tree, asked, "tenant-new", others=index.others(asked, "tenant-new"))
     assert peeked == ["tenant-1234"]
     assert probe.cached_len == 0 and probe.other_namespace_len == len(asked) - 1

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from live_server import LiveServer, live_server, save_tiny_chat_model
+from tiny_tokenizers import token_id
 
 from radixlm.agents.prompt import PromptRenderer
 from radixlm.cli import main
@@ -47,9 +48,12 @@ def _chat_ids(model: Path, monkeypatch: pytest.MonkeyPatch, system: str | None) 
 
     seen: list[list[int]] = []
     real = local.run_one
-    monkeypatch.setattr(
-        local, "run_one", lambda e, ids, *a, **k: seen.append(ids) or real(e, ids, *a, **k)
-    )
+
+    def noted(engine: Any, ids: list[int], *args: Any, **kwargs: Any) -> Any:
+        seen.append(ids)
+        return real(engine, ids, *args, **kwargs)
+
+    monkeypatch.setattr(local, "run_one", noted)
     lines = iter([USER, "/exit"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     argv = ["chat", "--model", str(model), "--max-tokens", "1", "--num-slots", "1024"]
@@ -99,6 +103,6 @@ def test_every_entry_point_gives_the_same_ids(
         for entry, ids in by_entry.items():
             assert ids == expected[name], (name, entry)
     # the guard held everywhere: the user's special text is text, only the template's are control
-    im_start = tokenizer.hf_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    im_start = token_id(tokenizer, "<|im_start|>")
     assert expected["alone"].count(im_start) == 2
     assert USER in tokenizer.decode(expected["alone"])

@@ -4,27 +4,14 @@ invocation when they divide radixlm by vLLM."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+from helpers import load_script
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def load(path: Path, name: str) -> ModuleType:
-    """A benchmark script as a module (they import their siblings, `engines` and `report`)."""
-    sys.path[:0] = [str(path.parent)]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-peers_run = load(REPO / "benchmarks" / "peers" / "run.py", "peers_run")
-render_docs = load(REPO / "benchmarks" / "render_docs.py", "render_docs")
+peers_run = load_script(REPO / "benchmarks" / "peers" / "run.py", "peers_run")
+render_docs = load_script(REPO / "benchmarks" / "render_docs.py", "render_docs")
 
 
 def one_round(index: int, tok_s: float) -> dict[str, Any]:

@@ -123,6 +123,7 @@ def test_forged_content_is_still_encoded_as_text() -> None:
     ids = PromptRenderer(tok).prompt_ids(messages, namespace="x")
     assert ids == PromptRenderer(tok, incremental=False).prompt_ids(messages)
     im_start = tok.hf_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert isinstance(im_start, int)
     assert ids.count(im_start) == 2  # the template's user and assistant headers only
 
 

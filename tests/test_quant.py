@@ -7,11 +7,13 @@ within a bound."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import gguf
 import numpy as np
 import pytest
 import torch
+from helpers import TinyModels
 from test_native_kernel import ISAS, require_native_kernels
 
 from radixlm.bench.random_gguf import SHAPES, random_tensor, write
@@ -31,7 +33,14 @@ from radixlm.model.quant import (
 from radixlm.model.transformer import CausalLM, Linear
 
 T = gguf.GGMLQuantizationType
-TYPES = [T[name] for name in QUANT_TYPES]
+TYPES = [gguf.GGMLQuantizationType[name] for name in QUANT_TYPES]
+
+
+def qkv_proj(model: CausalLM, layer: int) -> Linear:
+    """Layer `layer`'s stacked q/k/v projection (nn.ModuleList items are typed as Module)."""
+    proj = cast(Any, model.model.layers[layer]).self_attn.qkv_proj
+    assert isinstance(proj, Linear)
+    return proj
 
 
 def random_blocks(qtype: T, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -159,7 +168,7 @@ def test_a_quantized_gguf_runs_as_its_dequantized_weights(mixed_gguf: str) -> No
     linears = [m for m in exact.modules() if isinstance(m, Linear)]
     assert all(m.quant is not None and m.weight.numel() == 0 for m in linears)
     assert exact.model.embed_tokens.quant is exact.lm_head.quant
-    qkv = exact.model.layers[0].self_attn.qkv_proj.quant
+    qkv = qkv_proj(exact, 0).quant
     assert qkv is not None and [p.source for p in qkv.parts] == ["Q4_K", "Q4_K", "Q6_K"]
     assert exact.backend.fused is not None  # decode steps run in one native call
     ids = list(range(3, 60, 2))
@@ -205,7 +214,7 @@ def test_fast_mode_stays_within_its_bound(mixed_gguf: str) -> None:
     assert not torch.equal(exact, fast)  # the modes are different numerics
 
 
-def test_quantize_q8_0_holds_a_float_checkpoint_as_blocks(tiny_hf_model) -> None:  # type: ignore[no-untyped-def]
+def test_quantize_q8_0_holds_a_float_checkpoint_as_blocks(tiny_hf_model: TinyModels) -> None:
     """--quantize q8_0: a float checkpoint's linear weights become Q8_0 blocks (where their
     shape fits the kernels) and the logits stay near the float model's."""
     require_native_kernels()
@@ -236,7 +245,7 @@ def test_random_gguf_writes_every_mix(tmp_path: Path) -> None:
     for kind in ("Q4_0", "Q4_1", "Q8_0", "Q5_K_M"):
         path = write(str(tmp_path / f"{kind}.gguf"), SHAPES["tiny"], kind, tokenizer_from=None)
         model = load_causal_lm(path)
-        qkv = model.model.layers[1].self_attn.qkv_proj.quant
+        qkv = qkv_proj(model, 1).quant
         assert qkv is not None and qkv.parts[0].source == kind.removesuffix("_M")
 
 
@@ -262,7 +271,7 @@ def test_a_qwen2_file_with_biases_runs_as_its_dequantized_weights(tmp_path: Path
     path = write(str(tmp_path / "qwen2.gguf"), SHAPES["tiny-qwen2"], "Q4_K_M", seed=3,
                  tokenizer_from=None)  # fmt: skip
     exact = load_causal_lm(path, quant="exact")
-    assert exact.config.qkv_bias and exact.model.layers[0].self_attn.qkv_proj.quant is not None
+    assert exact.config.qkv_bias and qkv_proj(exact, 0).quant is not None
     ids = list(range(5, 40))
     got, got_ids = forward_logits(exact, ids, 4)
     expected, expected_ids = forward_logits(load_causal_lm(path, quant="float"), ids, 4)

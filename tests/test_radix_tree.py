@@ -166,6 +166,7 @@ def make_machine(page_size: int, vocab: int, max_len: int) -> type[RuleBasedStat
     leaves first."""
     tokens = st.lists(st.integers(0, vocab - 1), max_size=max_len)
 
+    # a base class built per parameter (mypy takes no call as a base)
     class TreeVersusReference(tree_machine(page_size, tokens)):  # type: ignore[misc]
         @rule(tokens=tokens, namespace=st.sampled_from([None, "tenant"]))
         def peek(self, tokens: list[int], namespace: str | None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
 import pytest
 from live_server import live_server, save_tiny_chat_model
@@ -24,8 +25,10 @@ def test_chat_roots_put_the_shared_prefix_in_the_system_message() -> None:
     book = PromptBook(workload, "chat")
     systems: dict[int, set[str]] = {}
     for i in range(len(workload.requests)):
-        messages = book.prompt(i)
-        assert isinstance(messages, list) and [m["role"] for m in messages] == ["system", "user"]
+        prompt = book.prompt(i)
+        assert isinstance(prompt, list)
+        messages = cast(list[dict[str, str]], prompt)  # the "chat" format's
+        assert [m["role"] for m in messages] == ["system", "user"]
         assert messages[0]["content"] == render_words(workload.requests[i].new_tokens[:20]).strip()
         systems.setdefault(book.group[i], set()).add(messages[0]["content"])
     assert len(systems) == 3 and all(len(s) == 1 for s in systems.values())

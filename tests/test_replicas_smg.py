@@ -10,6 +10,7 @@ import json
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -70,7 +71,7 @@ def test_prefix_groups_stay_on_one_replica_behind_smg(tmp_path: Path) -> None:
     assert trees == [0, 0]
 
 
-def _gateway_loads(url: str, num_workers: int) -> list[dict]:  # type: ignore[type-arg]
+def _gateway_loads(url: str, num_workers: int) -> list[dict[str, Any]]:
     deadline = time.monotonic() + 30  # smg polls each worker's /v1/loads (first poll at start)
     while True:
         loads = httpx.get(f"{url}/get_loads", timeout=10).json().get("loads", [])

@@ -105,7 +105,7 @@ def test_resent_output_items_hit_the_cache_as_previous_response_id_does(
 
 
 def test_streamed_events_build_the_same_response(client: openai.OpenAI) -> None:
-    kwargs = {"input": "Add 3 and 4", "instructions": INSTRUCTIONS, "tools": [ADD],
+    kwargs: dict[str, Any] = {"input": "Add 3 and 4", "instructions": INSTRUCTIONS, "tools": [ADD],
               "tool_choice": "required", "parallel_tool_calls": False}  # fmt: skip
     whole = _create(client, **kwargs)
     with client.responses.stream(model="tiny", temperature=0, max_output_tokens=120,
@@ -120,6 +120,7 @@ def test_streamed_events_build_the_same_response(client: openai.OpenAI) -> None:
     call = next(item for item in final.output if item.type == "function_call")
     expected = next(item for item in whole.output if item.type == "function_call")
     assert (call.name, call.arguments) == (expected.name, expected.arguments)
+    assert final.usage is not None and whole.usage is not None
     assert final.usage.output_tokens == whole.usage.output_tokens
 
 
@@ -131,7 +132,8 @@ def test_streamed_text_arrives_in_deltas(client: openai.OpenAI) -> None:
     final = events[-1].response
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     assert len(deltas) > 1 and "".join(deltas) == final.output_text
-    assert final.status == "incomplete" and final.output[0].status == "incomplete"
+    assert final.status == "incomplete"
+    assert getattr(final.output[0], "status", None) == "incomplete"  # an item type with a status
 
 
 def test_structured_output_with_parse(client: openai.OpenAI) -> None:
@@ -139,6 +141,7 @@ def test_structured_output_with_parse(client: openai.OpenAI) -> None:
                                       text_format=Verdict, temperature=0,
                                       max_output_tokens=60)  # fmt: skip
     assert isinstance(response.output_parsed, Verdict)
+    assert response.text is not None and response.text.format is not None
     assert response.text.format.type == "json_schema"
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from radixlm.bench.roofline import PEAK_FLOPS, matmul_peak_timer, prefill_flops
@@ -53,7 +55,7 @@ def test_the_matmul_peak_timer_times_one_large_linear() -> None:
 
 
 def test_a_decode_step_reads_the_quantized_records_not_the_float_weights(
-    tmp_path,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
 ) -> None:
     """bench model's decode bytes: a model held as quantized records reads the records' bytes
     (and a tied LM head's whole table), a float one its weights; both read B x C tokens' K/V."""

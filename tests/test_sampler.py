@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from radixlm.api_types import SamplingParams
 from radixlm.engine.sampler import Sampler, SamplingState, apply_penalties
-from radixlm.request import SamplingParams
 
 VOCAB = 50
 

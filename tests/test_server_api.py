@@ -14,6 +14,8 @@ import httpx
 import openai
 import pytest
 from live_server import LiveServer
+from openai.types import CompletionUsage
+from openai.types.chat import ChatCompletionMessageParam
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,12 +47,9 @@ def test_models_health_metrics(server: LiveServer, client: openai.OpenAI) -> Non
 
 
 def test_chat_and_completion_greedy_streamed_or_not(client: openai.OpenAI) -> None:
-    messages = [{"role": "user", "content": _unique("hi ")}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": _unique("hi ")}]
     full = client.chat.completions.create(
-        model="tiny",
-        messages=messages,
-        max_tokens=12,
-        temperature=0,  # type: ignore[arg-type]
+        model="tiny", messages=messages, max_tokens=12, temperature=0
     )
     assert full.object == "chat.completion" and len(full.choices) == 1
     assert full.choices[0].message.role == "assistant"
@@ -58,7 +57,7 @@ def test_chat_and_completion_greedy_streamed_or_not(client: openai.OpenAI) -> No
     assert full.usage is not None and full.usage.completion_tokens <= 12
     assert full.usage.prompt_tokens_details is not None
     stream = client.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True,  # type: ignore[arg-type]
+        model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True,
         stream_options={"include_usage": True},
     )  # fmt: skip
     chunks = list(stream)
@@ -88,8 +87,9 @@ def test_token_id_prompts_and_batches(client: openai.OpenAI) -> None:
     assert one.usage.completion_tokens == 6
     choice = one.choices[0].model_dump()
     assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == 6
+    # a batch of ids and text together, which the server takes (the SDK types one or the other)
     batch = client.completions.create(
-        model="tiny", prompt=[ids, "plain text"], max_tokens=3, temperature=0, n=2,
+        model="tiny", prompt=[ids, "plain text"], max_tokens=3, temperature=0, n=2,  # type: ignore[arg-type]
         extra_body={"ignore_eos": True, "return_token_ids": True},
     )  # fmt: skip
     assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3]
@@ -138,15 +138,19 @@ def test_n_stop_and_seed(client: openai.OpenAI) -> None:
 
 def test_cached_tokens_and_salts(client: openai.OpenAI) -> None:
     system = _unique("You are a helpful assistant. ") * 4
-    first = [{"role": "system", "content": system}, {"role": "user", "content": "one"}]
-    second = [{"role": "system", "content": system}, {"role": "user", "content": "two"}]
-    a = client.chat.completions.create(model="tiny", messages=first, max_tokens=2)  # type: ignore[arg-type]
-    b = client.chat.completions.create(model="tiny", messages=second, max_tokens=2)  # type: ignore[arg-type]
-    assert a.usage is not None and b.usage is not None
-    assert a.usage.prompt_tokens_details is not None and b.usage.prompt_tokens_details is not None
+    first: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "one"},
+    ]
+    second: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "two"},
+    ]
+    a = client.chat.completions.create(model="tiny", messages=first, max_tokens=2)
+    b = client.chat.completions.create(model="tiny", messages=second, max_tokens=2)
     # The template's opening ("<|im_start|>system\n") is shared by every chat request before.
-    assert a.usage.prompt_tokens_details.cached_tokens < 20
-    assert b.usage.prompt_tokens_details.cached_tokens >= len(system)
+    assert cached_tokens(a.usage) < 20
+    assert cached_tokens(b.usage) >= len(system)
 
     prompt = _unique("salted ") * 3
     x = client.completions.create(
@@ -158,7 +162,7 @@ def test_cached_tokens_and_salts(client: openai.OpenAI) -> None:
     z = client.completions.create(
         model="tiny", prompt=prompt, max_tokens=2, extra_body={"cache_salt": "tenant-a"}
     )
-    cached = [r.usage.prompt_tokens_details.cached_tokens for r in (x, y, z)]  # type: ignore[union-attr]
+    cached = [cached_tokens(r.usage) for r in (x, y, z)]
     assert cached[0] == 0 and cached[1] == 0 and cached[2] > 0
 
 
@@ -167,7 +171,9 @@ def test_logprobs_shapes(client: openai.OpenAI) -> None:
         model="tiny", messages=[{"role": "user", "content": _unique()}], max_tokens=4,
         logprobs=True, top_logprobs=3, temperature=0, extra_body={"ignore_eos": True},
     )  # fmt: skip
-    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    logprobs = chat.choices[0].logprobs
+    assert logprobs is not None
+    content = logprobs.content
     assert content is not None and len(content) == 4
     for entry in content:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
@@ -216,3 +222,10 @@ def test_cache_routes(server: LiveServer, client: openai.OpenAI) -> None:
     flushed = server.post("/v1/cache/flush").json()
     assert flushed["flushed_tokens"] == before["num_tree_tokens"]
     assert flushed["cache"]["num_tree_tokens"] == 0
+
+
+def cached_tokens(usage: CompletionUsage | None) -> int:
+    """The usage's cached prompt tokens, each optional level present (a None fails the test)."""
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens is not None
+    return usage.prompt_tokens_details.cached_tokens

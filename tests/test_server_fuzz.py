@@ -57,7 +57,9 @@ SAMPLING: dict[str, st.SearchStrategy[Any]] = {
     "stream": st.booleans(),
     "cache_salt": st.none() | st.text(min_size=1, max_size=8),
 }
-JUNK = st.sampled_from([-1, 0, 3, 1e9, -1e-300, "1", None, [], {}, True, 2**64])
+JUNK: st.SearchStrategy[Any] = st.sampled_from(
+    [-1, 0, 3, 1e9, -1e-300, "1", None, [], {}, True, 2**64]
+)
 
 content = text | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}),
                           min_size=1, max_size=3)  # fmt: skip

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from live_server import LiveServer, live_server, save_tiny_chat_model
+from live_server import LiveServer, RecordingHandler, live_server, save_tiny_chat_model
 
 from radixlm.config import ServerConfig
 
@@ -35,9 +35,8 @@ def _count(metrics: str, route: str, status: int) -> float:
 def test_an_unexpected_error_is_a_counted_500_logged_once(server: LiveServer) -> None:
     before = _count(server.get("/metrics").text, "/v1/completions", 500)
     tokenizer = server.engine.tokenizer
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.ERROR)
-    handler.emit = records.append  # type: ignore[method-assign]
+    handler = RecordingHandler(logging.ERROR)
+    records = handler.records
     loggers = [logging.getLogger(name) for name in ("radixlm", "uvicorn.error", "uvicorn")]
 
     def broken(text: str, **kwargs: Any) -> list[int]:
@@ -87,7 +86,7 @@ def test_floods_of_health_and_metrics_do_not_reach_the_engine_thread(server: Liv
         calls.append(fn)
         return await call(fn)
 
-    engine.call = counting_call  # type: ignore[method-assign]
+    engine.call = counting_call  # type: ignore[method-assign]  # counts the engine round trips
     stream_text: list[str] = []
     body = {"prompt": "a stream", "max_tokens": 64, "ignore_eos": True, "stream": True}
 
@@ -109,6 +108,6 @@ def test_floods_of_health_and_metrics_do_not_reach_the_engine_thread(server: Liv
     finally:
         del engine.call
     assert stream_text and stream_text[0].endswith("data: [DONE]\n\n")
-    # 200 scrapes and probes; the stream's own admission is its only engine round trip
+    # 200 scrapes and probes; the stream's own enqueue is its only engine round trip
     assert len(calls) <= 1, calls
     assert server.wait_idle()["idle"]

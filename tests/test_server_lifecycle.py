@@ -15,9 +15,11 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from live_server import LiveServer, live_server, save_tiny_chat_model
 
 from radixlm.config import CacheConfig, SchedulerConfig
+from radixlm.model.forward_batch import ForwardBatch
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -170,18 +172,18 @@ def test_an_engine_failure_fails_its_requests_and_the_server_keeps_serving(
     runner = server.engine.engine.runner
     forward = runner.forward
 
-    def failing(batch):  # type: ignore[no-untyped-def]
-        runner.forward = forward  # fail once, then work again
+    def failing(batch: ForwardBatch) -> torch.Tensor:
+        runner.forward = forward  # type: ignore[method-assign]  # fail once, then work again
         raise RuntimeError("injected failure")
 
-    runner.forward = failing
+    runner.forward = failing  # type: ignore[method-assign]  # a fault injected into the engine
     try:
         body = {"prompt": "this request meets a broken step", "max_tokens": 5}
         failed = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
         assert failed.status_code >= 500
         assert failed.json()["error"]["message"]
     finally:
-        runner.forward = forward
+        runner.forward = forward  # type: ignore[method-assign]  # the engine's own again
     _assert_idle(server)
     # ignore_eos: a sampled end-of-sequence would end it early (the tiny model is random)
     body = {"prompt": "and this one", "max_tokens": 3, "ignore_eos": True}

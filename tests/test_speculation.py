@@ -29,11 +29,11 @@ from hypothesis import strategies as st
 from test_kv_ownership import kv_writers  # noqa: F401  (a fixture)
 from test_native_kernel import ISAS, require_native_kernels
 
+from radixlm.api_types import SamplingParams
 from radixlm.engine.engine import Engine
 from radixlm.engine.scheduler import SchedulerOutput
 from radixlm.engine.speculate import Draft, Proposal, Speculator, StepCost
 from radixlm.model.verify_rows import UNBOUNDED
-from radixlm.request import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 

@@ -21,10 +21,10 @@ import torch
 from engine_helpers import assert_idle, new_engine, steady_drafts
 from helpers import save_tiny_model
 
+from radixlm.api_types import SamplingParams
 from radixlm.cache.kv_pool import KVPool
 from radixlm.model.forward_batch import ForwardBatch
 from radixlm.model.loader import load_causal_lm
-from radixlm.request import SamplingParams
 
 NUM_REQUESTS = 1500
 TEMPERATURE = 0.5

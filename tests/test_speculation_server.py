@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from live_server import LiveServer, live_server, save_tiny_chat_model
@@ -26,7 +27,7 @@ def speculating(model: Path) -> Iterator[LiveServer]:
         yield live
 
 
-def completion(server: LiveServer, stream: bool = False) -> dict:  # type: ignore[type-arg]
+def completion(server: LiveServer, stream: bool = False) -> dict[str, Any]:
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
     if stream:
         body |= {"stream": True, "stream_options": {"include_usage": True}}

@@ -1,7 +1,7 @@
-"""Bounded work per request, checked before admission: logit_bias keys (ASCII digits, at most
-300, no token twice), every client-filled field in the pre-tokenization bound, stop strings at
-their allowed maximum served, a connection that never finishes its headers closed, and the
-streaming detokenizer's window bounded whatever ids come."""
+"""Bounded work per request, checked before the engine queues it: logit_bias keys (ASCII digits,
+at most 300, no token twice), every client-filled field in the pre-tokenization bound, stop
+strings at their allowed maximum served, a connection that never finishes its headers closed, and
+the streaming detokenizer's window bounded whatever ids come."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from live_server import LiveServer, live_server, save_tiny_chat_model
-from tiny_tokenizers import byte_level
+from tiny_tokenizers import byte_level, token_id
 
 from radixlm.config import ServerConfig
 from radixlm.detokenizer import MAX_UNREAD, IncrementalDetokenizer
@@ -159,10 +159,10 @@ def test_the_detokenizer_window_stays_short_whatever_ids_come() -> None:
             counted.append(len(ids))
             return decode(ids)
 
-    special = tok.hf_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    special = token_id(tok, "<|im_start|>")
     stray = next(i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd")  # a lone byte
     for flood in ([special] * 2000, [stray] * 2000):
-        detokenizer = IncrementalDetokenizer(Counting())  # type: ignore[arg-type]
+        detokenizer = IncrementalDetokenizer(Counting())  # type: ignore[arg-type]  # a stand-in tokenizer that counts its work
         text = "".join(detokenizer.push([i]) for i in tok.encode("hi ", add_special_tokens=False))
         counted.clear()
         for token in flood:

@@ -1,5 +1,5 @@
 """The server work one request causes per step is bounded by a constant times its own tokens:
-for random requests (up to 16 stop strings of any length the bound admits, up to 300
+for random requests (up to 16 stop strings of any length the bound allows, up to 300
 logit_bias entries, min_tokens bans, outputs of any ids: text that follows the stop strings,
 special tokens, stray bytes), each token pushed costs the streaming detokenizer, the stop check
 and the logit adjustment at most WORK_PER_TOKEN x (prompt + output tokens so far). Work is
@@ -16,18 +16,18 @@ from collections.abc import Sequence
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from tiny_tokenizers import byte_level
+from tiny_tokenizers import byte_level, token_id
 
+from radixlm.api_types import SamplingParams
 from radixlm.detokenizer import OutputStream
 from radixlm.engine.sampler import SamplingState
-from radixlm.request import SamplingParams
 from radixlm.server.protocol import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP
 
 WORK_PER_TOKEN = 1024  # the constant: work units per token of the request, per step
 
 TOK = byte_level()
 A, B = TOK.encode("a", add_special_tokens=False)[0], TOK.encode("b", add_special_tokens=False)[0]
-SPECIAL = TOK.hf_tokenizer.convert_tokens_to_ids("<|im_start|>")
+SPECIAL = token_id(TOK, "<|im_start|>")
 STRAY = next(i for i in range(TOK.vocab_size) if TOK.decode([i]) == "\ufffd")  # a lone byte
 
 
@@ -47,7 +47,7 @@ class CountingTokenizer:
 def step_work(params: SamplingParams, prompt: list[int], outputs: list[int]) -> list[int]:
     """The work of each step of one request whose sampled tokens are `outputs`."""
     tokenizer = CountingTokenizer()
-    stream = OutputStream(tokenizer, params)  # type: ignore[arg-type]
+    stream = OutputStream(tokenizer, params)  # type: ignore[arg-type]  # a stand-in tokenizer that counts its work
     state = SamplingState(params, prompt, [], stop_ids=frozenset({SPECIAL}))
     logits = torch.zeros(1, TOK.vocab_size)
     work: list[int] = []
@@ -102,7 +102,7 @@ def test_work_per_step_is_bounded_by_the_request_s_own_tokens(
     stop: list[str], bias: dict[int, float], min_tokens: int, prompt_len: int, ids: list[int]
 ) -> None:
     params = SamplingParams(
-        max_tokens=len(ids), stop=tuple(stop), logit_bias=bias,
+        max_tokens=len(ids), stop=tuple(stop), logit_bias=tuple(bias.items()),
         min_tokens=min(min_tokens, len(ids)), ignore_eos=True,
     )  # fmt: skip
     prompt = [A] * prompt_len
@@ -146,6 +146,6 @@ def quadratic_stop_work(text: str, stops: Sequence[str]) -> int:
 def test_the_counting_tokenizer_counts() -> None:
     """The decode count is real: a push decodes at least the id it adds."""
     tokenizer = CountingTokenizer()
-    stream = OutputStream(tokenizer, SamplingParams(max_tokens=4))  # type: ignore[arg-type]
+    stream = OutputStream(tokenizer, SamplingParams(max_tokens=4))  # type: ignore[arg-type]  # a stand-in tokenizer that counts its work
     stream.push(A)
     assert tokenizer.decoded >= 1

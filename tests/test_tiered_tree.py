@@ -143,7 +143,8 @@ class Harness:
 
 
 def l2_only(tree: TieredTree) -> list[TreeNode]:
-    out, stack = [], list(tree.roots().values())
+    out: list[TreeNode] = []
+    stack = list(tree.roots().values())
     while stack:
         node = stack.pop()
         stack += [*node.children.values(), *l2_children(node).values()]
@@ -180,7 +181,7 @@ ops = st.lists(
 
 def build(spec: list[tuple[int, list[tuple[int, int]]]]) -> list[np.ndarray]:
     bases = [np.full(70 + 30 * b, 10 + b, dtype=np.int64) for b in range(3)]
-    out = []
+    out: list[np.ndarray] = []
     for base, runs in spec:
         head = out[-1] if base > 2 and out else bases[base % 3]
         parts = [head] + [20 + t + np.arange(n, dtype=np.int64) % 3 for n, t in runs]

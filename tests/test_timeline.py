@@ -15,8 +15,8 @@ from engine_helpers import assert_idle
 from helpers import sse_events
 from live_server import LiveServer
 
+from radixlm.api_types import SamplingParams
 from radixlm.engine.engine import Engine
-from radixlm.request import SamplingParams
 from radixlm.server.timeline import STAGES
 
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]

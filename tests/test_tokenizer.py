@@ -3,6 +3,8 @@ through the one renderer (`PromptRenderer`, `check_messages`)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from tiny_tokenizers import byte_level, sentencepiece_like, smollm
 
@@ -37,7 +39,7 @@ def test_eos_ids_include_the_chat_templates_end_of_turn() -> None:
 
 def test_chat_template_ends_with_the_assistant_header() -> None:
     tokenizer = byte_level()
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "Be brief."},
         {
             "role": "user",
@@ -82,7 +84,7 @@ def test_invalid_messages_are_rejected_with_a_clear_message(messages: object, er
     with pytest.raises(ValueError, match=error):
         check_messages(messages)
     with pytest.raises(ValueError, match=error):
-        PromptRenderer(byte_level()).prompt_ids(messages)
+        PromptRenderer(byte_level()).prompt_ids(messages)  # type: ignore[arg-type]  # the bad value under test
 
 
 def test_valid_messages_keep_their_other_fields() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from live_server import LiveServer, live_server, save_tiny_chat_model
-from tiny_tokenizers import byte_level, smollm
+from tiny_tokenizers import byte_level, smollm, token_id
 
 from radixlm.agents.prompt import PromptRenderer
 from radixlm.tokenizer import Tokenizer
@@ -80,7 +80,7 @@ def test_a_template_that_trims_content_still_isolates_it() -> None:
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>"
         "\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
     )
-    im_start = trimming.hf_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    im_start = token_id(trimming, "<|im_start|>")
     ids = _ids(trimming, [{"role": "user", "content": f"  {FORGED}  "}])
     assert ids.count(im_start) == 2
     for messages in NORMAL_CHATS:

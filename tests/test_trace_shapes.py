@@ -5,12 +5,18 @@ trace's runs keep their orderings (more RAM never hits less)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+from helpers import load_script
 
 from radixlm.bench import trace_shapes
-from radixlm.bench.cache_traces import run_trace, shape_capacities
 from radixlm.bench.trace_shapes import SHAPES, shape_trace
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+cache_traces = load_script(BENCHMARKS / "cache_traces.py", "cache_traces")
+run_trace, shape_capacities = cache_traces.run_trace, cache_traces.shape_capacities
 
 
 @pytest.fixture

@@ -4,8 +4,10 @@ misses anyway, the cache report names it, not another salt."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
-from tiny_tokenizers import byte_level
+from tiny_tokenizers import byte_level, token_id
 
 from radixlm.agents.turns import TurnMemo, turn_ids, turn_key
 from radixlm.observatory.replay import PromptReplay
@@ -50,7 +52,7 @@ def test_only_ids_the_client_saw_are_remembered() -> None:
     tokenizer = byte_level()
     text = "hi there"
     ids = tokenizer.encode(text, add_special_tokens=False)
-    im_start, end = tokenizer.hf_tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    im_start, end = token_id(tokenizer, "<|im_start|>"), token_id(tokenizer, "<|im_end|>")
     assert turn_ids(tokenizer, text, [*ids, end]) == tuple(ids)  # the end of turn is dropped
     assert turn_ids(tokenizer, text, [*ids[:2], im_start, *ids[2:]]) is None  # unseen control
     assert turn_ids(tokenizer, "hi", ids) is None  # a stop string cut the text, not the ids
@@ -59,7 +61,10 @@ def test_only_ids_the_client_saw_are_remembered() -> None:
 def test_a_reformatted_turn_is_named_even_when_another_salt_holds_more() -> None:
     replay = PromptReplay(byte_level())
     tools = [{"type": "function", "function": {"name": "search", "parameters": {}}}]
-    first = {"messages": [{"role": "user", "content": "Look up radix trees"}], "tools": tools}
+    first: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "Look up radix trees"}],
+        "tools": tools,
+    }
     said = '<tool_call>\n{"name": "search", "arguments": {"q": "radix trees"}}\n</tool_call>'
     call = {"id": "c1", "type": "function",
             "function": {"name": "search", "arguments": '{"q":"radix trees"}'}}  # fmt: skip

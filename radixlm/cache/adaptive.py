@@ -5,8 +5,10 @@ The second expert, `LearnedOffsets`, is turn-credit (cache/eviction.py) with a l
 per level (min(8, turn - 1 + had a hit)) instead of a credit tuned on one trace, learned from
 the mistakes the cache makes, as ARC learns its recency/frequency balance from its ghost lists:
 
-- each evicted node leaves a *ghost* (where its edge starts, its first tokens, its level and
-  when it left; a bounded FIFO holding no KV);
+- each evicted node leaves a *ghost* in the tree's one record of evicted edges (cache/turns.py:
+  its namespace, where its edge starts, its first tokens, when it left; a bounded FIFO holding
+  no KV), and with it this policy's memo, `Eviction`: the node's level and which expert chose
+  it;
 - a new leaf that starts where a ghost's edge started, with the ghost's tokens, within
   `window` cache lifetimes after the eviction (`lifetime`: how long a node stays after its
   last use), is that node coming back where a somewhat longer stay would have kept it: a
@@ -22,22 +24,21 @@ level that mixes nodes that come back with nodes that never do), so `AdaptivePol
 trust them blindly: as LeCaR does, each eviction follows one expert, LRU or the learned
 offsets, drawn by weight; a ghost remembers which expert evicted it, and its return costs
 that expert weight (x e^-0.45). The tree keeps one heap per expert (EvictionOrder). A workload
-where recency is right ends up on LRU; one where levels matter, on the offsets. Ghosts ignore
-namespaces (a wrong match costs a step of learning, never correctness).
+where recency is right ends up on LRU; one where levels matter, on the offsets. A return counts
+once (the record hands a memo back once) and only in the namespace of the eviction.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 from radixlm.cache.eviction import LRUPolicy
 
 if TYPE_CHECKING:
     from radixlm.cache.tree_node import TreeNode
 
-GHOST_BYTES = 16 * 8  # the first 16 tokens of an edge identify it
 DECAY = 0.9  # of the per-level counts at each update: they follow the recent mix
 SHARE_DECAY = 1 / 256  # of each expert's eviction count, per eviction
 MIN_EVICTIONS = 8.0  # (decayed) evictions of a level before its rate is trusted
@@ -53,21 +54,18 @@ class LearnedOffsets:
         rate: float = 0.5,
         max_offset: float = 8.0,
         max_level: int = 8,
-        max_ghosts: int = 1 << 16,
         window: float = 2.0,
         epoch: int = 256,
     ) -> None:
-        if rate <= 0 or max_offset < 0 or max_level < 0 or min(max_ghosts, epoch) < 1:
-            raise ValueError("rate > 0, max_offset >= 0, max_level >= 0, max_ghosts, epoch >= 1")
+        if rate <= 0 or max_offset < 0 or max_level < 0 or epoch < 1:
+            raise ValueError("rate > 0, max_offset >= 0, max_level >= 0, epoch >= 1")
         self.rate = rate
         self.max_offset = max_offset
         self.max_level = max_level
-        self.max_ghosts = max_ghosts
         self.window = window  # lifetimes after its eviction in which a return is a mistake
         self.epoch = epoch  # evictions between two updates of the offsets
         self.offsets = [0.0] * (max_level + 1)  # in lifetimes; all equal: LRU
         self.lifetime = 0.0  # ticks a node stays after its last use (a running mean)
-        self._ghosts: dict[tuple[int, bytes], tuple[int, int]] = {}  # -> (level, evicted at)
         self._evictions = [0.0] * (max_level + 1)  # decayed, per level
         self._returns = [0.0] * (max_level + 1)  # decayed ghost hits, per level
         self._until_update = epoch
@@ -79,26 +77,24 @@ class LearnedOffsets:
         return node.priority
 
     def touch(self, node: TreeNode, tick: int) -> None:
-        if node.priority == 0:  # a new leaf's first touch: did the cache evict it before?
-            ghost = self._ghosts.pop((node.start, node.key[:GHOST_BYTES]), None)
-            if ghost is not None and tick - ghost[1] <= self.window * self.lifetime:
-                self._returns[ghost[0]] += 1
         value = max(1, tick + int(self.offsets[self.level(node)] * self.lifetime))
         if value > node.priority:
             node.priority = value
 
-    def evicted(self, node: TreeNode, tick: int) -> None:
+    def evicted(self, node: TreeNode, tick: int) -> int:
+        """Returns its memo: the node's level."""
         level = self.level(node)
         self.lifetime += (tick - node.last_access - self.lifetime) / 64
         self._evictions[level] += 1
-        key = (node.start, node.key[:GHOST_BYTES])
-        self._ghosts.pop(key, None)  # re-entered at the young end of the FIFO
-        self._ghosts[key] = (level, tick)
-        if len(self._ghosts) > self.max_ghosts:
-            del self._ghosts[next(iter(self._ghosts))]
         self._until_update -= 1
         if self._until_update <= 0:
             self._update()
+        return level
+
+    def returned(self, memo: object, evicted_tick: int, tick: int) -> None:
+        """A node of level `memo` came back: a mistake when within `window` lifetimes."""
+        if tick - evicted_tick <= self.window * self.lifetime:
+            self._returns[cast(int, memo)] += 1
 
     def _update(self) -> None:
         """Move each trusted level's offset by its return rate against all levels'."""
@@ -113,6 +109,13 @@ class LearnedOffsets:
                     self.offsets[level] = max(-self.max_offset, min(self.max_offset, offset))
         self._evictions = [e * DECAY for e in self._evictions]
         self._returns = [r * DECAY for r in self._returns]
+
+
+class Eviction(NamedTuple):
+    """AdaptivePolicy's memo of one eviction (kept with its ghost, cache/turns.py)."""
+
+    expert: int  # the expert the pop followed: 0 LRU, 1 the learned offsets
+    level: int  # LearnedOffsets.level of the node
 
 
 class AdaptivePolicy:
@@ -134,7 +137,6 @@ class AdaptivePolicy:
         self.floor = floor
         self._rng = random.Random(seed)  # the same trace makes the same choices
         self._chosen = 0  # the expert the current pop follows
-        self._evicted_by: dict[tuple[int, bytes], tuple[int, int]] = {}  # -> (expert, tick)
         self._evictions = [1.0, 1.0]  # decayed, per expert
 
     def choose(self) -> int:
@@ -145,22 +147,22 @@ class AdaptivePolicy:
         return self.experts[self._chosen].priority(node)
 
     def touch(self, node: TreeNode, tick: int) -> None:
-        if node.priority == 0:  # a new leaf: did an expert's eviction make it a miss?
-            ghost = self._evicted_by.pop((node.start, node.key[:GHOST_BYTES]), None)
-            learned = self.learned
-            if ghost is not None and tick - ghost[1] <= learned.window * learned.lifetime:
-                self._regret(ghost[0])
         self.learned.touch(node, tick)
 
-    def evicted(self, node: TreeNode, tick: int) -> None:
-        self.learned.evicted(node, tick)
-        key = (node.start, node.key[:GHOST_BYTES])
-        self._evicted_by.pop(key, None)
-        self._evicted_by[key] = (self._chosen, tick)
-        if len(self._evicted_by) > self.learned.max_ghosts:
-            del self._evicted_by[next(iter(self._evicted_by))]
+    def evicted(self, node: TreeNode, tick: int) -> Eviction:
+        level = self.learned.evicted(node, tick)
         self._evictions = [e * (1 - SHARE_DECAY) for e in self._evictions]
         self._evictions[self._chosen] += 1
+        return Eviction(self._chosen, level)
+
+    def returned(self, memo: object, evicted_tick: int, tick: int) -> None:
+        """A node came back: the expert whose eviction made it a miss pays (within `window`
+        lifetimes), and the learned offsets count the return of its level."""
+        eviction = cast(Eviction, memo)
+        learned = self.learned
+        if tick - evicted_tick <= learned.window * learned.lifetime:
+            self._regret(eviction.expert)
+        learned.returned(eviction.level, evicted_tick, tick)
 
     def _regret(self, expert: int) -> None:
         """`expert` evicted a node that came back: it loses weight (never all of it), in

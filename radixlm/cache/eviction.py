@@ -27,7 +27,8 @@ class EvictionPolicy(Protocol):
 
     Contract: a node's priority never decreases while it stays in the tree (the lazy heap relies
     on it). Priorities are integers so that heap entries compare cheaply. The tree calls the
-    hooks; a policy may keep its state in `node.priority` and in itself, nowhere else.
+    hooks; a policy may keep its state in `node.priority`, in itself, and in the memo it leaves
+    in the tree's one record of evicted edges (cache/turns.py), nowhere else.
     """
 
     name: str
@@ -37,8 +38,13 @@ class EvictionPolicy(Protocol):
     def touch(self, node: TreeNode, tick: int) -> None:
         """A match or insert walked through `node` at `tick` (after `last_access`/`hits`)."""
 
-    def evicted(self, node: TreeNode, tick: int) -> None:
-        """`node` left the tree at `tick`."""
+    def evicted(self, node: TreeNode, tick: int) -> object:
+        """`node` left the tree at `tick`. Returns what the record keeps of it for the policy
+        (its memo), or None for nothing."""
+
+    def returned(self, memo: object, evicted_tick: int, tick: int) -> None:
+        """A new leaf at `tick` begins like an edge evicted at `evicted_tick` whose memo was
+        `memo` (never None). Called at most once per memo, after the leaf's first touch."""
 
 
 class LRUPolicy:
@@ -56,6 +62,9 @@ class LRUPolicy:
 
     def evicted(self, node: TreeNode, tick: int) -> None:
         """Nothing to forget: LRU remembers no evicted node."""
+
+    def returned(self, memo: object, evicted_tick: int, tick: int) -> None:
+        """Never called: LRU leaves no memo."""
 
 
 class TurnCreditPolicy:
@@ -89,6 +98,9 @@ class TurnCreditPolicy:
     def evicted(self, node: TreeNode, tick: int) -> None:
         if self.level(node) == 0:  # only unpromoted nodes measure how long plain LRU keeps one
             self.turnover += (tick - node.last_access - self.turnover) / 64
+
+    def returned(self, memo: object, evicted_tick: int, tick: int) -> None:
+        """Never called: turn credit leaves no memo."""
 
 
 class GDSFPolicy:
@@ -127,6 +139,9 @@ class GDSFPolicy:
     def evicted(self, node: TreeNode, tick: int) -> None:
         if node.priority > self.clock:
             self.clock = node.priority
+
+    def returned(self, memo: object, evicted_tick: int, tick: int) -> None:
+        """Never called: GDSF leaves no memo."""
 
 
 class EvictionOrder:

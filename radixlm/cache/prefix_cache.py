@@ -235,6 +235,18 @@ class RadixCache(PrefixCache):
     def unlock(self, node: TreeNode) -> None:
         self.tree.unlock(node)
 
+    # Who owns each region of a request's `slots` (positions in `tokens`) across one commit:
+    #
+    #   0               held              prefix_len            cached_len       len(tokens)
+    #   |---- tree -----|---- in flight ----|----- in flight -----|--- in flight ---|  before
+    #   |---- tree -----|-- tree (theirs) --|-------- tree -------|--- in flight ---|  after
+    #    node's path,     a concurrent        inserted: the slots   a partial page:
+    #    locked by the    request put these   become the tree's     the request's
+    #    request          first: ours freed,                        until the next
+    #                     the tree's returned                       commit
+    #
+    # held = node.depth; prefix_len = what the tree held already (>= held); cached_len = the
+    # whole pages of `tokens`. The returned slots are the tree's up to cached_len, ours after.
     def commit(
         self,
         tokens: TokenIds,

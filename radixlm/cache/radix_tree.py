@@ -180,11 +180,14 @@ class RadixTree:
             node, pos = self._below_ram(node, buf, pos, slots, tick)
         if pos < len(buf):
             end = len(buf) // TOKEN_BYTES
+            ghost = self.turns.came_back(buf, pos, namespace)
             if continues is not None and node is continues:
                 turn = node.turn  # the same request's output (or next chunk): the same turn
             else:
-                turn = self.turns.turn_of_tail(node, buf, pos, namespace)
+                turn = self.turns.turn_of_tail(node, buf, pos, ghost)
             leaf = self._add_leaf(node, buf[pos:], slots[pos // TOKEN_BYTES : end], tick, turn)
+            if ghost is not None and ghost.memo is not None:
+                self._order.policy.returned(ghost.memo, ghost.tick, tick)
             leaf.retention = RAM_ONLY if node.retention == RAM_ONLY else retention
             node = leaf
         return InsertResult(prefix_len, node)
@@ -237,8 +240,7 @@ class RadixTree:
             node = order.pop()
             if listener is not None:
                 listener(node)
-            evicted(node, self._clock)
-            self.turns.evicted(node)
+            self.turns.evicted(node, self._clock, evicted(node, self._clock))
             num_freed += len(node.value)
             freed.append(node.value)
             self._leave_ram(node)

@@ -4,14 +4,17 @@ A sequence whose cached prefix is most of it continues a conversation: its new t
 deeper than the node it hangs under. But a cache under pressure has often evicted the earlier
 turn by the time the next one arrives, and the tail would look like a new conversation. So
 each evicted node leaves a *ghost* in the record: its namespace, where its edge starts and its
-first tokens are the key; its turn, length and eviction time the value. Two readers:
+first tokens are the key; its turn, length and eviction time the value. Three readers:
 
 - turn inference: a sequence whose walk stops where a ghost's edge started and that continues
   with the ghost's first GHOST_TOKENS tokens continues that conversation (ARC's ghost lists, for
-  turns instead of frequencies). Eviction policies (cache/eviction.py) and L2 admission read
+  turns instead of frequencies). Eviction policies (cache/eviction.py) and the L2 write filter read
   `node.turn`; nothing else does, so a wrong guess costs hit rate, never correctness.
 - the observatory's "evicted" reason (`evicted_run`): the evicted edges a prompt follows from
   where its match ended, chained edge by edge, in the prompt's own namespace only.
+- the eviction policy that learns from its mistakes (cache/adaptive.py): what it returned from
+  `evicted` is kept in the ghost as its `memo`, and handed back once (`came_back`) when a new
+  leaf begins like the ghost's edge, with the tree tick of the eviction.
 
 Rules: a ghost is keyed by its namespace, so no lookup ever sees another namespace's evictions
 (a tenant cannot learn what another tenant's evicted prompts held). An edge is remembered by
@@ -45,6 +48,8 @@ class Ghost(NamedTuple):
     turn: int  # the deepest turn evicted at or below the edge
     length: int  # tokens on the whole edge
     evicted_at: float  # time.time() of the (latest) eviction
+    tick: int  # the tree clock at that eviction
+    memo: object  # what the eviction policy keeps of it until it comes back; None: nothing
 
 
 class EvictedRun(NamedTuple):
@@ -65,12 +70,20 @@ class TurnTracker:
     def __len__(self) -> int:
         return len(self._ghosts)
 
-    def turn_of_tail(self, parent: TreeNode, buf: bytes, pos: int, namespace: Namespace) -> int:
+    def came_back(self, buf: bytes, pos: int, namespace: Namespace) -> Ghost | None:
+        """The ghost of the edge that a new leaf, the tail of `buf` (int64 bytes) after its
+        cached `pos` bytes, begins like, if any. Its memo is handed over once: the ghost keeps
+        its place in the FIFO without it."""
+        key = (namespace, pos // TOKEN_BYTES, buf[pos : pos + GHOST_TOKENS * TOKEN_BYTES])
+        ghost = self._ghosts.get(key)
+        if ghost is not None and ghost.memo is not None:
+            self._ghosts[key] = ghost._replace(memo=None)
+        return ghost
+
+    def turn_of_tail(self, parent: TreeNode, buf: bytes, pos: int, ghost: Ghost | None) -> int:
         """The turn of a new leaf under `parent` for the sequence `buf` (int64 bytes) whose
-        first `pos` bytes are cached."""
+        first `pos` bytes are cached; `ghost`: what `came_back` found for it."""
         turn = parent.turn + 1 if 2 * pos >= len(buf) else 1
-        head = buf[pos : pos + GHOST_TOKENS * TOKEN_BYTES]
-        ghost = self._ghosts.get((namespace, pos // TOKEN_BYTES, head))
         if ghost is not None and ghost.length >= GHOST_TOKENS:  # short edges name no turn
             turn = max(turn, ghost.turn + 1)
         self.new_leaves[min(turn, MAX_TURN + 1)] += 1
@@ -83,10 +96,11 @@ class TurnTracker:
         seen = self.new_leaves[turn]
         return self.new_leaves[turn + 1] / seen if seen >= MIN_SAMPLES else None
 
-    def evicted(self, node: TreeNode) -> None:
-        """Leave a ghost of `node` (still attached: its path names the namespace). Leaves go
-        first, so a ghost carries the deepest turn evicted below it: a conversation evicted
-        down to its first edge still comes back at its latest turn."""
+    def evicted(self, node: TreeNode, tick: int, memo: object) -> None:
+        """Leave a ghost of `node` (still attached: its path names the namespace), evicted at
+        tree tick `tick`, with the eviction policy's `memo`. Leaves go first, so a ghost carries
+        the deepest turn evicted below it: a conversation evicted down to its first edge still
+        comes back at its latest turn."""
         turn = max(node.turn, node.turn_below)
         parent = node.parent
         assert parent is not None  # roots are never evicted
@@ -100,7 +114,7 @@ class TurnTracker:
         older = self._ghosts.pop(key, None)  # re-entered at the young end of the FIFO
         if older is not None:
             turn = max(turn, older.turn)
-        self._ghosts[key] = Ghost(turn, length, time.time())
+        self._ghosts[key] = Ghost(turn, length, time.time(), tick, memo)
         if len(self._ghosts) > self.max_ghosts:
             del self._ghosts[next(iter(self._ghosts))]
 

@@ -26,9 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from radixlm.agents.prompt import PromptRenderer
     from radixlm.agents.turns import TurnMemo, turn_ids
+    from radixlm.api_types import SamplingParams
     from radixlm.commands.local import load_engine, run_one
     from radixlm.commands.options import config_from_args
-    from radixlm.request import SamplingParams
 
     try:
         configs = engine_configs(args)

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from radixlm.api_types import SamplingParams
 from radixlm.commands.options import EngineConfigs
 from radixlm.engine.engine import Engine
-from radixlm.request import SamplingParams
 
 if TYPE_CHECKING:
     from rich.console import Console

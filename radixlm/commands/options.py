@@ -17,8 +17,8 @@ import types
 import typing
 from typing import Any, Literal, NamedTuple, TypeVar, Union, get_args, get_origin
 
+from radixlm.api_types import SamplingParams
 from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
-from radixlm.request import SamplingParams
 
 C = TypeVar("C")
 

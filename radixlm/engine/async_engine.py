@@ -22,8 +22,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from radixlm.api_types import SamplingParams, StreamDelta
 from radixlm.engine.engine import Engine, ForwardError
-from radixlm.request import SamplingParams, StreamDelta
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -12,9 +12,9 @@ import dataclasses
 
 import torch
 
+from radixlm.api_types import StreamDelta
 from radixlm.engine.step_plan import ScheduledRequest
 from radixlm.model.forward_batch import ForwardBatch
-from radixlm.request import StreamDelta
 
 
 def prepare_batch(scheduled: list[ScheduledRequest], device: torch.device) -> ForwardBatch:

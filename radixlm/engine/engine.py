@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.agents.grammar import GrammarError
+from radixlm.api_types import FinishReason, FirstTokenTimes, SamplingParams, StreamDelta
 from radixlm.cache import create_prefix_cache
 from radixlm.cache.drafts import TreeDrafts
 from radixlm.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -51,7 +52,6 @@ from radixlm.engine.speculate import Speculator
 from radixlm.engine.step_plan import SampleRow, ScheduledRequest, SchedulerOutput
 from radixlm.model.loader import LoadProgress
 from radixlm.model.verify_rows import exact_rows
-from radixlm.request import FinishReason, FirstTokenTimes, SamplingParams, StreamDelta
 
 log = logging.getLogger(__name__)
 
@@ -365,7 +365,7 @@ class Engine:
                 self.stats.prompt_tokens += req.prompt_len
                 self.stats.cached_prompt_tokens += req.cache_hit_len or 0
         for item in plan.scheduled:
-            if item.is_decode:
+            if item.is_output_token:
                 self.stats.decode_tokens += 1
             else:
                 self.stats.prefill_tokens += item.extend_len

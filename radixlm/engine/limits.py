@@ -3,7 +3,7 @@ with a ValueError naming why (a 400 for the server), never admitted to fail late
 
 from __future__ import annotations
 
-from radixlm.request import SamplingParams
+from radixlm.api_types import SamplingParams
 
 
 def check_request(

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from radixlm.agents.prompt import PromptRenderer
+from radixlm.api_types import RequestOutput, SamplingParams
 from radixlm.config import (
     CacheConfig,
     CacheKind,
@@ -28,7 +29,6 @@ from radixlm.config import (
 )
 from radixlm.engine.engine import Engine
 from radixlm.engine.request import request_output
-from radixlm.request import RequestOutput, SamplingParams
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 

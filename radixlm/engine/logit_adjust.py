@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from radixlm.api_types import SamplingParams
 from radixlm.engine.sampling_ops import FLOAT32
-from radixlm.request import SamplingParams
 
 if TYPE_CHECKING:  # sampler.py imports this module
     from radixlm.engine.sampler import SamplingState

@@ -27,11 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from radixlm.cache.tree_node import TreeNode
-from radixlm.detokenizer import OutputStream
-from radixlm.engine.sampler import SamplingState
-from radixlm.engine.speculate import DraftState
-from radixlm.request import (
+from radixlm.api_types import (
     CompletionOutput,
     FinishReason,
     RequestMetrics,
@@ -39,6 +35,10 @@ from radixlm.request import (
     SamplingParams,
     TokenLogprob,
 )
+from radixlm.cache.tree_node import TreeNode
+from radixlm.detokenizer import OutputStream
+from radixlm.engine.sampler import SamplingState
+from radixlm.engine.speculate import DraftState
 from radixlm.tokenizer import Tokenizer
 
 

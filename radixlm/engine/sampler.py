@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 from radixlm.agents.grammar import GrammarError, GrammarMatcher, apply_token_masks
+from radixlm.api_types import SamplingParams, TokenLogprob
 from radixlm.engine.logit_adjust import RowAdjust, apply_logit_bias, apply_penalties
 from radixlm.engine.sampling_ops import (
     inverse_cdf,
@@ -41,7 +42,6 @@ from radixlm.engine.sampling_ops import (
     keep_top_p,
     weights,
 )
-from radixlm.request import SamplingParams, TokenLogprob
 
 
 @dataclass

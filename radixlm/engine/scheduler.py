@@ -27,7 +27,8 @@ slots are the request's `draft_slots`; the engine keeps the accepted ones (`acce
 
 Memory never deadlocks: when a running request cannot get a slot, the newest running request is
 retracted — its computed KV is committed to the tree, so it resumes with a cache hit — and
-requeued at the front. Admission guarantees every request fits the pool alone, so the oldest
+requeued at the front. `Engine.add_request` refuses a request that cannot fit the pool alone, so
+the oldest
 running request always makes progress.
 
 In-batch sharing: a waiting request whose uncached prefix is being computed right now by another
@@ -120,7 +121,7 @@ class Scheduler:
         budget = self.config.max_batch_tokens
         scheduled: set[int] = set()
         # One token left first, oldest first: decodes (and prefills down to their last token;
-        # ScheduledRequest.is_decode tells the two apart).
+        # ScheduledRequest.is_output_token tells the two apart).
         for req in [r for r in self.running if r.remaining_len == 1]:
             if budget == 0:
                 break
@@ -288,7 +289,7 @@ class Scheduler:
             req.slots = np.concatenate([req.slots, item.new_slots[: item.extend_len]])
             req.draft_slots = item.new_slots[item.extend_len :]
             req.computed_len = item.start + item.extend_len
-            if not item.is_decode:
+            if not item.is_output_token:
                 self._commit(req)
             first, row = row, row + item.num_rows
             if req.remaining_len > 0:

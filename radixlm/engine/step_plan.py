@@ -28,9 +28,11 @@ class ScheduledRequest:
     draft: Draft | None = None
 
     @property
-    def is_decode(self) -> bool:
-        """A plain decode step: the KV of one output token (the engine's decode/prefill count;
-        a resumed request recomputing its outputs is a prefill)."""
+    def is_output_token(self) -> bool:
+        """It computes the KV of one output token, the one sampled last: what the engine counts
+        as a decode token and commits only when the request ends (a resumed request recomputing
+        its outputs is a prefill). The model's own rule for a decode row is wider
+        (`ForwardBatch.is_decode`: a prompt's last token over a cached prefix is one too)."""
         return self.extend_len == 1 and self.start >= self.req.prompt_len
 
     @property

@@ -65,9 +65,9 @@ class ForwardBatch:
     @functools.cached_property
     def is_decode(self) -> tuple[bool, ...]:
         """Per request: one new token over a non-empty prefix. The model's one definition of a
-        decode row; the engine's `ScheduledRequest.is_decode` (an output token) implies it, and a
-        prompt's last token over a cached prefix is one too (the same single query row), as is
-        every row of a verify chain."""
+        decode row; the engine's `ScheduledRequest.is_output_token` implies it, and a prompt's
+        last token over a cached prefix is one too (the same single query row), as is every row
+        of a verify chain."""
         return tuple(e == 1 and p > 0 for p, e in zip(self.prefix_lens, self.extend_lens))
 
     @property

@@ -1,7 +1,7 @@
 """Which other namespaces (cache salts) of the same tenant recently sent a prompt that begins
 like this one, so the "salt" check peeks one or two namespaces instead of walking every root.
 
-Every admitted prompt is recorded (`PromptIndex.record`): a chained hash of its lookup key (all
+Every queued prompt is recorded (`PromptIndex.record`): a chained hash of its lookup key (all
 but the last token, as the tree's) at a few boundaries, 16, 32, 64, ... tokens and the whole key,
 each mapped to the namespaces that sent it, most recent first. A report looks its own prompt up
 at the same boundaries, deepest first (`others`), and peeks only the namespaces found there:
@@ -50,7 +50,7 @@ class PromptIndex:
         self._entries: OrderedDict[int, tuple[Namespace, ...]] = OrderedDict()
 
     def record(self, prompt: Sequence[int] | np.ndarray, namespace: Namespace) -> None:
-        """Remember that `namespace` sent `prompt` (called once per admitted prompt)."""
+        """Remember that `namespace` sent `prompt` (called once per queued prompt)."""
         entries = self._entries
         for key in _prefix_keys(prompt, self.tenant_of(namespace)):
             held = entries.get(key, ())

@@ -4,7 +4,7 @@ counters, and the prompts' index for the salt check; all of it per tenant.
     observatory = Observatory(engine, metrics, tenant_of=...)  # once, when the app is built
     task = observatory.report_soon(prompt, ns, segments)   # only for return_cache_report,
     ...submit the request...                               #   before the request is submitted
-    observatory.note(prompts, ns)                          # every admitted request
+    observatory.note(prompts, ns)                          # every queued request
     report = await task
     observatory.summary(viewer)                            # GET /v1/cache/report
 
@@ -18,7 +18,7 @@ The tree is read in the engine thread (`AsyncEngine.call`). The probe is queued 
 request it explains, so both run in the same pause between two steps, probe first: the probe
 sees the tree the request finds, and the request waits for no extra step. Rendering segments and
 decoding text run on a worker thread while the request runs, so neither the event loop nor the
-request's admission waits for them.
+request's queueing waits for them.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class Observatory:
         return asyncio.ensure_future(self._explain(probe, prompt, namespace, segments))
 
     def note(self, prompts: Sequence[Sequence[int]], namespace: Namespace) -> None:
-        """Record admitted prompts in the salt check's index (every request; O(log n) each)."""
+        """Record queued prompts in the salt check's index (every request; O(log n) each)."""
         for prompt in prompts:
             self.prompts.record(prompt, namespace)
 

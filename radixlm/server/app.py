@@ -71,7 +71,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        state.admission.close()  # the tokenizer threads end with the server
+        state.bounds.close()  # the tokenizer threads end with the server
 
     app = FastAPI(
         title="radixlm", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan

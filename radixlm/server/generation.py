@@ -7,7 +7,7 @@ the usage counts, feeds the latency metrics and, given the request's clock, note
 and each prompt's first token there (`timeline.py`).
 
     gen = Generation(engine, prompts, params, "cmpl-1", salt, metrics)
-    await gen.start()              # every prompt admitted (or the engine's ValueError, raised)
+    await gen.start()              # every prompt queued (or the engine's ValueError, raised)
     async for choice in gen: ...   # ChoiceDelta, until every sample finished
     await gen.aclose()             # always: aborts what is still running, its slots come back
 """
@@ -21,8 +21,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
+from radixlm.api_types import SamplingParams, StreamDelta
 from radixlm.engine.async_engine import AsyncEngine
-from radixlm.request import SamplingParams, StreamDelta
 from radixlm.server.timeline import RequestClock
 
 
@@ -79,7 +79,7 @@ class _Sample:
 class _Prompt:
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    started: bool = False  # the engine admitted it (its first event arrived)
+    started: bool = False  # the engine queued it (its first event arrived)
     samples: dict[int, _Sample] = field(default_factory=dict)
 
 
@@ -119,7 +119,7 @@ class Generation:
         self._open = len(self.prompts)  # prompts whose stream has not ended
 
     async def start(self) -> None:
-        """Submit every prompt; return once each was admitted, or raise why one was not."""
+        """Submit every prompt; return once each was queued, or raise why one was not."""
         if self.registry is not None:
             self.registry.add(self)
         self._tasks = [

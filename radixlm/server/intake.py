@@ -21,7 +21,7 @@ async def parse_body(request: Request, state: ServerState, model: type[M], chat:
     """The request body as `model`; a 400 naming the first problem. `chat`: the body holds
     messages (their bound on JSON values, not a completion prompt's)."""
     raw = await request.body()  # already read within its limits by BodyLimitMiddleware
-    await state.admission.check_json_values(raw, chat=chat)
+    await state.bounds.check_json_values(raw, chat=chat)
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:

@@ -7,8 +7,8 @@ Two sources:
 - what the engine knows: prefix-cache queried / hit / evicted tokens, the hit rate, running and
   waiting requests and the KV slot split, the seconds spent in forward passes and in steps (the
   served efficiency: forward seconds over wall seconds), and with an L2 tier its hit tokens,
-  bytes written and read, load latency, rejected admissions and page split; with speculation,
-  draft tokens verified and kept per source. A scrape takes a fresh
+  bytes written and read, load latency, tokens its write filter turned away and page split; with
+  speculation, draft tokens verified and kept per source. A scrape takes a fresh
   `EngineSnapshot` (in the engine thread) and `EngineCollector` exposes it, so engine-side
   values are never stale or racy.
 
@@ -197,7 +197,7 @@ def _l2_metrics(l2: dict[str, Any]) -> Iterator[Metric]:
         ("hit_tokens", "radixlm_l2_hit_tokens", "Prompt tokens loaded from L2 instead of computed"),
         ("written_bytes", "radixlm_l2_written_bytes", "KV bytes written to L2 pages"),
         ("read_bytes", "radixlm_l2_read_bytes", "KV bytes read back from L2 pages"),
-        ("rejected_tokens", "radixlm_l2_rejected_tokens", "Evicted tokens L2 did not admit"),
+        ("rejected_tokens", "radixlm_l2_rejected_tokens", "Evicted tokens L2 did not write"),
         ("bad_extents", "radixlm_l2_bad_pages", "Pages that failed their check (recomputed)"),
         ("read_timeouts", "radixlm_l2_read_timeouts", "Loads cut short by a slow read"),
         ("evicted_extents", "radixlm_l2_evicted_pages", "Pages L2 evicted to make room"),

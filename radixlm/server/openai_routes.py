@@ -1,10 +1,10 @@
 """POST /v1/completions, POST /v1/chat/completions and GET /v1/models.
 
 A request goes: body within its limits (`body.py`) -> strict schema -> prompt token ids (lengths
-checked first, text tokenized on the tokenizer threads: `admission.py`) -> SamplingParams
+checked first, text tokenized on the tokenizer threads: `bounds.py`) -> SamplingParams
 (max_tokens defaults to what fits the context and the pool) -> its cache namespace
 (`tenancy.py`) -> its cache reports started, when asked (`observatory/service.py`) ->
-`respond()`: the engine admits it (or a 400 / 503), and a JSON response or an SSE stream answers
+`respond()`: the engine queues it (or a 400 / 503), and a JSON response or an SSE stream answers
 (`respond.py`). The request's clock (`timeline.py`) is told when validation and the prompt are
 done, and what rendering and tokenizing took.
 """
@@ -23,8 +23,8 @@ from pydantic import BaseModel
 
 from radixlm.agents.chat import ChatOutputs
 from radixlm.agents.grammar import Constraint
+from radixlm.api_types import SamplingParams
 from radixlm.observatory.segments import chat_segments
-from radixlm.request import SamplingParams
 from radixlm.server.chat_protocol import ChatCompletionRequest
 from radixlm.server.intake import check_model, parse_body, plan_chat
 from radixlm.server.observatory_routes import Reports, start_report, with_cache_report
@@ -46,9 +46,9 @@ def openai_router(state: ServerState) -> APIRouter:
         clock = _clock(request)
         body = await parse_body(request, state, CompletionRequest, chat=False)
         check_model(state, body.model)
-        state.admission.check_fields(body)  # stop, logit_bias: bounded before anything reads them
+        state.bounds.check_fields(body)  # stop, logit_bias: bounded before anything reads them
         clock.mark_validated()
-        prompts = [await state.admission.prompt_ids(p) for p in body.prompts]
+        prompts = [await state.bounds.prompt_ids(p) for p in body.prompts]
         if any(isinstance(p, str) for p in body.prompts):  # text: tokenized on the threads
             clock.add_prompt_costs(0.0, time.perf_counter() - (clock.validated or 0.0))
         clock.mark_prompt_ready()
@@ -71,7 +71,7 @@ def openai_router(state: ServerState) -> APIRouter:
         clock = _clock(request)
         body = await parse_body(request, state, ChatCompletionRequest, chat=True)
         check_model(state, body.model)
-        state.admission.check_fields(body, body.messages)  # before tools compile or render
+        state.bounds.check_fields(body, body.messages)  # before tools compile or render
         namespace = state.tenancy.namespace(request, body.cache_salt)
         clock.mark_validated()
         response_format = body.response_format.to_dict() if body.response_format else None
@@ -85,7 +85,7 @@ def openai_router(state: ServerState) -> APIRouter:
             clock.add_prompt_costs(rendered.costs.template_s, rendered.costs.tokenize_s)
             return rendered.ids
 
-        prompt = await state.admission.chat_ids(body.messages, render)
+        prompt = await state.bounds.chat_ids(body.messages, render)
         clock.mark_prompt_ready()
         top = (body.top_logprobs or 0) if body.logprobs else None
         header = _header(state, body, "chat", top, [prompt])

@@ -1,9 +1,9 @@
-"""One admitted request's answer: run its `Generation` and turn it into an HTTP response, a JSON
+"""One queued request's answer: run its `Generation` and turn it into an HTTP response, a JSON
 body once every choice finished, or an SSE stream of chunks ending with `data: [DONE]`.
 
 A client that goes away is noticed while waiting (a watcher on the ASGI receive channel) or while
 streaming (Starlette cancels the body); either way the generation is closed, which aborts the
-engine request and returns its KV slots. Every admitted prompt is noted in the observatory's
+engine request and returns its KV slots. Every queued prompt is noted in the observatory's
 index (the salt check of later cache reports). A request that sets `return_timeline` gets its
 timeline (`timeline.py`) in the JSON body, or in a stream's last chunk before `[DONE]`.
 """
@@ -19,8 +19,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixlm.agents.chat import ChatOutputs, call_deltas, finish_reason
+from radixlm.api_types import SamplingParams
 from radixlm.engine.engine import QueueFullError
-from radixlm.request import SamplingParams
 from radixlm.server.errors import APIError, ClientDisconnected, error_body
 from radixlm.server.generation import Generation, Usage
 from radixlm.server.protocol import SamplingRequest
@@ -50,10 +50,10 @@ async def respond(
     outputs: ChatOutputs | None = None,
     batch: bool = False,
 ) -> Response:
-    """Admit the prompts (a 503 when the queue is full, a 400 the engine refuses) and answer;
+    """Queue the prompts (a 503 when the queue is full, a 400 the engine refuses) and answer;
     `outputs` parses a chat's tool calls out of its text; `batch`: a completions batch (its
     timeline is a list)."""
-    gen = await admit(request, state, prompts, params, header.id, namespace, prompt_param)
+    gen = await enqueue(request, state, prompts, params, header.id, namespace, prompt_param)
     timeline = _Timeline(gen.clock, len(prompts), batch) if body.return_timeline else None
     if body.stream:
         reported = state.tenancy.reported
@@ -81,7 +81,7 @@ async def respond(
     return JSONResponse(answer)
 
 
-async def admit(
+async def enqueue(
     request: Request,
     state: ServerState,
     prompts: list[list[int]],
@@ -90,7 +90,7 @@ async def admit(
     namespace: str | None,
     prompt_param: str,
 ) -> Generation:
-    """The engine admits the prompts (a 503 when its queue is full, a 400 for what it refuses)
+    """The engine queues the prompts (a 503 when its queue is full, a 400 for what it refuses)
     and their generation starts; the prompts are noted for the salt index."""
     gen = Generation(
         state.engine, prompts, params, request_id, namespace, state.metrics, state.generations,

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from radixlm.request import TokenLogprob
+from radixlm.api_types import TokenLogprob
 from radixlm.server.generation import ChoiceDelta, Usage
 
 Kind = Literal["completion", "chat"]

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from radixlm.agents.grammar import Constraint
-from radixlm.request import SamplingParams
-from radixlm.server.admission import check_fits
+from radixlm.api_types import SamplingParams
+from radixlm.server.bounds import check_fits
 from radixlm.server.errors import APIError
 from radixlm.server.state import ServerState
 

@@ -15,7 +15,7 @@ from radixlm.agents.chat import ChatAgents
 from radixlm.config import ServerConfig
 from radixlm.engine.async_engine import AsyncEngine
 from radixlm.observatory.service import Observatory
-from radixlm.server.admission import Admission, ModelLimits
+from radixlm.server.bounds import ModelLimits, RequestBounds
 from radixlm.server.generation import Generation
 from radixlm.server.metrics import ServerMetrics
 from radixlm.server.responses_api.store import ResponseStore
@@ -31,7 +31,7 @@ class ServerState:
     config: ServerConfig
     model_name: str
     limits: ModelLimits
-    admission: Admission  # length checks and the tokenizer threads
+    bounds: RequestBounds  # length checks and the tokenizer threads
     tenancy: Tenancy  # API keys, tenants and namespaces, what lengths each caller is told
     snapshots: SnapshotCache  # /metrics' engine snapshots, shared by scrapes close together
     observatory: Observatory  # cache reports on request, per tenant (server/observatory_routes.py)
@@ -56,7 +56,7 @@ class ServerState:
             config,
             config.model_name or served_name(core.model_config.path),
             limits,
-            Admission(core.tokenizer, limits, config),
+            RequestBounds(core.tokenizer, limits, config),
             tenancy,
             SnapshotCache(config.metrics_snapshot_ttl_s),
             Observatory(engine, metrics, config.cache_page_text, tenancy.tenant_of),

@@ -48,7 +48,7 @@ from typing import Any, Protocol
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from radixlm.request import FirstTokenTimes
+from radixlm.api_types import FirstTokenTimes
 
 STAGES = (
     "body", "validation", "template", "tokenization", "prompt_other", "submit", "wake",

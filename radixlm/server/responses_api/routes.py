@@ -31,7 +31,7 @@ from radixlm.server.errors import APIError
 from radixlm.server.generation import Generation
 from radixlm.server.intake import check_model, parse_body, plan_chat
 from radixlm.server.protocol import ChatMessage, logit_bias_pairs
-from radixlm.server.respond import ABORTED, admit, until_disconnected
+from radixlm.server.respond import ABORTED, enqueue, until_disconnected
 from radixlm.server.responses_api.items import (
     ItemError,
     chat_tool_choice,
@@ -54,7 +54,7 @@ def responses_router(state: ServerState) -> APIRouter:
     async def create(request: Request) -> Response:
         body = await parse_body(request, state, ResponsesRequest, chat=True)
         check_model(state, body.model)
-        state.admission.check_fields(body)  # input, tools, text.format: before they are read
+        state.bounds.check_fields(body)  # input, tools, text.format: before they are read
         namespace = state.tenancy.namespace(request, body.cache_salt)
         previous = _previous(state, namespace, body.previous_response_id)
         try:
@@ -79,13 +79,13 @@ def responses_router(state: ServerState) -> APIRouter:
         instructions = [] if body.instructions is None else [
             {"role": "system", "content": body.instructions}]  # fmt: skip
         messages = _chat_messages([*instructions, *pending.history, *new_input])
-        prompt = await state.admission.chat_ids(messages, render)
+        prompt = await state.bounds.chat_ids(messages, render)
         params = sampling_params(
             state, _fields(body), len(prompt), "input", plan.constraint, "max_output_tokens"
         )
         header = ResponseHeader(pending.id, int(time.time()), state.model_name, body,
                                 response_tools(tools))  # fmt: skip
-        gen = await admit(request, state, [prompt], params, header.id, namespace, "input")
+        gen = await enqueue(request, state, [prompt], params, header.id, namespace, "input")
         outputs = ChatOutputs(state.agents, plan, namespace)
         keep = functools.partial(_keep, state, pending)
         if body.stream:
@@ -229,7 +229,7 @@ def _not_found(response_id: str, param: str) -> APIError:
 
 
 def _chat_messages(messages: list[dict[str, Any]]) -> list[ChatMessage]:
-    """The conversation as the chat schema's messages (what admission measures), each checked
+    """The conversation as the chat schema's messages (what the bounds measure), each checked
     as a chat request's would be."""
     out = []
     for i, message in enumerate(messages):

@@ -1,6 +1,6 @@
 """The disk tier and the eviction policies on traces they were not tuned on, as one JSON.
 
-    python -m radixlm.bench.cache_traces --mooncake TRACE --out docs/bench/cache_traces.json
+    python benchmarks/cache_traces.py --mooncake TRACE --out docs/bench/cache_traces.json
 
 Traces: the Mooncake conversation trace, on whose first 60 % every constant was tuned, and the
 synthetic shapes of bench/trace_shapes.py (chat, agent loops, few-shot blocks, long shared
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         traces.append(run_trace(shape, requests, ram, disk, 64, tuned=False) | describe(shape))
         _print(traces[-1])
     record = {
-        "command": "python -m radixlm.bench.cache_traces --mooncake "
+        "command": "python benchmarks/cache_traces.py --mooncake "
         "mooncake_fast25/conversation_trace.jsonl --out docs/bench/cache_traces.json",
         "inflight": INFLIGHT,
         "eval_from": EVAL_FROM,

@@ -1,5 +1,5 @@
-"""Agent inputs that could never produce an answer are 400s at admission, and a resent turn is
-spliced back only as ids the client saw.
+"""Agent inputs that could never produce an answer are 400s before the engine queues them, and a
+resent turn is spliced back only as ids the client saw.
 
 Each case goes through the live server: the error names the field, and the server keeps serving
 with its slot accounting back at idle (the `client` fixture checks after every test).
@@ -12,12 +12,13 @@ from typing import Any
 import openai
 import pytest
 from live_server import LiveServer
+from openai.types.chat import ChatCompletionMessageParam
 
 from radixlm.agents.tools import parse_tools
 
 pytestmark = pytest.mark.timeout(120)
 
-USER = [{"role": "user", "content": "hi"}]
+USER: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 SELF_LOOP = {"$defs": {"x": {"$ref": "#/$defs/x"}}, "$ref": "#/$defs/x"}
 IM_START = 257  # the tiny chat model's <|im_start|> (byte b is token b; specials follow)
 
@@ -27,7 +28,7 @@ def _post(server: LiveServer, **body: Any) -> Any:
 
 
 def _still_serves(client: openai.OpenAI) -> None:
-    response = client.chat.completions.create(model="tiny", messages=USER, max_tokens=2)  # type: ignore[arg-type]
+    response = client.chat.completions.create(model="tiny", messages=USER, max_tokens=2)
     assert response.choices[0].finish_reason in ("stop", "length")
 
 
@@ -51,7 +52,7 @@ def test_a_schema_whose_ref_loops_on_itself_is_a_400(
         parameters = {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}},
                       "required": ["a"], "$defs": SELF_LOOP["$defs"]}  # fmt: skip
         tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
-        body = {"tools": [tool], "tool_choice": "required"}
+        body: dict[str, Any] = {"tools": [tool], "tool_choice": "required"}
     else:
         schema = {"name": "loop", "schema": SELF_LOOP}
         body = {"response_format": {"type": "json_schema", "json_schema": schema}}

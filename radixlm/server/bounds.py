@@ -72,7 +72,7 @@ class ModelLimits:
         )
 
 
-class Admission:
+class RequestBounds:
     """Turns prompts into token ids within bounds (see the module docstring)."""
 
     def __init__(self, tokenizer: Any, limits: ModelLimits, config: ServerConfig) -> None:

@@ -1,6 +1,6 @@
 """The eviction-policy and L2-tier matrix of `radixlm bench cache`, written as one JSON.
 
-    python -m radixlm.bench.cache_tiers --trace FILE --out docs/bench/cache_tiers.json
+    python benchmarks/cache_tiers.py --trace FILE --out docs/bench/cache_tiers.json
 
 Every run replays the whole trace (16 requests in flight, page size 1) and counts hits over the
 requests after `--eval-from` (default 0.6: the policies were tuned on the head of the trace).

@@ -4,7 +4,7 @@ Not part of `make test`: it needs SGLang, installed into its own venv as the hea
 tree benchmark (sglang_tree_bench.py) describes. Run it with that venv's Python, naming the
 benchmark script and the Mooncake trace (or setting RADIXLM_SGLANG_BENCH / RADIXLM_MOONCAKE):
 
-    PYTHONPATH=. SGLANG_VENV/bin/python -m radixlm.bench.cache_compare \
+    PYTHONPATH=. SGLANG_VENV/bin/python benchmarks/cache_compare.py \
         --sglang-bench PATH/sglang_tree_bench.py --mooncake PATH/conversation_trace.jsonl
 
 Each case replays one trace three ways: radixlm through `cache_replay.replay`, radixlm behind
