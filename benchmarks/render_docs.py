@@ -455,7 +455,16 @@ def quant_section() -> str:
     ]
     for path in runs:
         blocks.append(_quant_block(path.name, json.loads(path.read_text())))
-    for path in sorted(BENCH.glob("llamacpp_*.json")):
+    big = sorted(BENCH.glob("model8b_quant_*.json"))
+    if big:
+        blocks.append(
+            "A Llama-3-8B shape in Q4_K_M (`python -m radixlm.bench.random_gguf llama-8b FILE "
+            "--type Q4_K_M`: random blocks, llama.cpp's mix of Q4_K and Q6_K), "
+            "`radixlm bench model --model FILE --quant exact`:\n"
+        )
+    for path in big:
+        blocks.append(_quant_block(path.name, json.loads(path.read_text())))
+    for path in sorted(BENCH.glob("*llamacpp_*.json")):
         blocks.append(_llamacpp_block(path.name, json.loads(path.read_text())))
     return "\n".join(blocks)
 
