@@ -260,14 +260,14 @@ class Kernels:
 
     def repack_blocks(self, blocks: FileBlocks, mode: str) -> torch.Tensor:
         """A file's blocks as records for `mode` (quant/layout.py's, made in one C pass):
-        (rows/8, cols/32, record bytes) uint8. Raises ValueError where the kernels cannot hold
+        uint8 shaped layout.records_shape. Raises ValueError where the kernels cannot hold
         them (a shape off the record grid, a Q4_0 scale whose -8 d is not a half)."""
         from radixlm.model.quant import layout, record_format
 
         rows, cols = blocks.shape
         bits, sub, has_min, kscale = record_format(blocks.qtype)
-        size = layout.record_bytes(bits, sub, has_min, kscale)
-        out = torch.empty(rows // 8, cols // 32, size, dtype=torch.uint8)
+        shape = layout.records_shape(rows, cols, bits, sub, has_min, kscale)
+        out = torch.empty(shape, dtype=torch.uint8)
         raw = np.ascontiguousarray(blocks.raw)  # the file's mapping: read in place
         order = None
         if blocks.row_order is not None:

@@ -13,9 +13,11 @@
    A record is 8 columns x 32 inputs of one weight (layout.py draws it): the values, then the
    block's scales in one of two forms, each exactly what the gguf package dequantizes:
        f16   scales (sub x 8 fp16), mins (8 fp16)                      Q4_0, Q4_1, Q8_0
-       k     d (8 fp16), sc (sub x 8 int8), -dmin (8 fp16), mc (8 int8)   Q4_K, Q5_K, Q6_K
+       k     sc (sub x 8 int8), mc (8 int8), with the super-block's    Q4_K, Q5_K, Q6_K
+             d (8 fp16) and -dmin (8 fp16) once per 8 records (quant_record.h)
              scale = d * sc and min = -dmin * mc, products exact in float32
-   so a record holds the file's bytes, or close to them, and a decode step streams no more.
+   so a group's stream holds the file's bytes, or close to them, and a decode step streams no
+   more. The factors of a super-block are loaded once, at its first record.
 
    Every vector the unpacking makes holds the 8 columns in its 8 int32 lanes, so the dot
    products need no horizontal sums: exact mode multiplies int16 pairs (vpmaddwd; vpdpwssd with
@@ -93,20 +95,20 @@ __attribute__((unused)) static void unpack_record(const uint8_t *q, int bits, in
         for (int k = 0; k < BLOCK; k++) w[j][k] = (int16_t)record_value(q, bits, fast, j, k);
 }
 
-/* A record's scales and mins as floats, [scale h][column] and [column] (mins 0 without). */
-static void scalar_scales(const uint8_t *s, int sub, int has_min, int kscale,
+/* A record's scales and mins as floats, [scale h][column] and [column] (mins 0 without),
+   from its scale bytes s and, for the K types, its super-block's factors f (d, -dmin). */
+static void scalar_scales(const uint8_t *f, const uint8_t *s, int sub, int has_min, int kscale,
                           float d[2][GROUP], float mn[GROUP])
 {
-    const uint16_t *halves = (const uint16_t *)s;
-    const int8_t *ints = (const int8_t *)(s + 16);
+    const uint16_t *halves = (const uint16_t *)s, *factors = (const uint16_t *)f;
+    const int8_t *ints = (const int8_t *)s;
     for (int j = 0; j < GROUP; j++) {
         for (int h = 0; h < sub; h++)
-            d[h][j] = kscale ? half_to_float(halves[j]) * (float)ints[8 * h + j]
+            d[h][j] = kscale ? half_to_float(factors[j]) * (float)ints[8 * h + j]
                              : half_to_float(halves[8 * h + j]);
         mn[j] = 0.0f;
         if (has_min && kscale)
-            mn[j] = half_to_float(((const uint16_t *)(s + 16 + 8 * sub))[j]) *
-                    (float)((const int8_t *)(s + 32 + 8 * sub))[j];
+            mn[j] = half_to_float(factors[GROUP + j]) * (float)ints[8 * sub + j];
         else if (has_min)
             mn[j] = half_to_float(halves[8 * sub + j]);
     }
@@ -149,15 +151,15 @@ ALWAYS_INLINE __m256 load_int8s(const uint8_t *p)
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-/* A record's scales (d[h], 8 columns each) and mins, from the bytes after its values. */
+/* A record's scales (d[h], 8 columns each) and mins, from the bytes after its values and,
+   for the K types, its super-block's d and -dmin (loaded once per super-block). */
 ALWAYS_INLINE void record_scales(const uint8_t *s, const int sub, const int has_min,
-                                 const int kscale, __m256 *d, __m256 *mn)
+                                 const int kscale, __m256 super_d, __m256 super_nd, __m256 *d,
+                                 __m256 *mn)
 {
     if (kscale) {
-        const __m256 super = load_halves(s);
-        for (int h = 0; h < sub; h++) d[h] = _mm256_mul_ps(super, load_int8s(s + 16 + 8 * h));
-        if (has_min)
-            *mn = _mm256_mul_ps(load_halves(s + 16 + 8 * sub), load_int8s(s + 32 + 8 * sub));
+        for (int h = 0; h < sub; h++) d[h] = _mm256_mul_ps(super_d, load_int8s(s + 8 * h));
+        if (has_min) *mn = _mm256_mul_ps(super_nd, load_int8s(s + 8 * sub));
     } else {
         for (int h = 0; h < sub; h++) d[h] = load_halves(s + 16 * h);
         if (has_min) *mn = load_halves(s + 16 * sub);
@@ -278,14 +280,21 @@ ALWAYS_INLINE void run_tile(const uint8_t *wg, int64_t g, Rows a, const int rows
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     const int64_t xsize = fast ? 1 : 2, stride = a.K * xsize, qbytes = GROUP * BLOCK * bits / 8;
     const int64_t rec = qbytes + scale_bytes(sub, has_min, kscale);
+    const int64_t fb = factor_bytes(has_min, kscale);
     const char *x = (const char *)a.xq + a.m0 * stride;
     const float *sx = a.sx + a.m0 * a.nb, *sxb = a.sxb + a.m0 * a.nb;
+    __m256 super_d = _mm256_setzero_ps(), super_nd = _mm256_setzero_ps();
+    const uint8_t *record = wg;
     for (int64_t b = 0; b < a.nb; b++) {
-        const uint8_t *record = wg + b * rec;
+        if (kscale && b % SUPER == 0) { /* the super-block's d and -dmin, then its 8 records */
+            super_d = load_halves(record);
+            if (has_min) super_nd = load_halves(record + 16);
+            record += fb;
+        }
         __builtin_prefetch(record + AHEAD);
         record_dots(dot, record, x + b * BLOCK * xsize, stride, rows, bits, sub, fast);
         __m256 d[2], mn = _mm256_setzero_ps();
-        record_scales(record + qbytes, sub, has_min, kscale, d, &mn);
+        record_scales(record + qbytes, sub, has_min, kscale, super_d, super_nd, d, &mn);
         for (int r = 0; r < rows; r++) {
             const __m256 s = _mm256_set1_ps(sx[r * a.nb + b]);
             for (int h = 0; h < sub; h++)
@@ -293,6 +302,7 @@ ALWAYS_INLINE void run_tile(const uint8_t *wg, int64_t g, Rows a, const int rows
                                          _mm256_mul_ps(d[h], s), acc[r]);
             if (has_min) acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sxb[r * a.nb + b]), acc[r]);
         }
+        record += rec;
     }
     for (int r = 0; r < rows; r++) store_row(y, y_stride, a.m0 + r, g * GROUP, acc[r], y_bf16);
 }
@@ -305,12 +315,13 @@ static void run_tile(const uint8_t *wg, int64_t g, Rows a, int rows, int bits, i
     float acc[ROW_TILE][GROUP] = {{0}};
     const int64_t qbytes = GROUP * BLOCK * bits / 8;
     const int64_t rec = qbytes + scale_bytes(sub, has_min, kscale);
+    const int64_t fb = factor_bytes(has_min, kscale);
     for (int64_t b = 0; b < a.nb; b++) {
-        const uint8_t *record = wg + b * rec;
+        const uint8_t *record = record_at(wg, b, rec, fb);
         int16_t wv[GROUP][BLOCK];
         unpack_record(record, bits, fast, wv);
         float d[2][GROUP], mn[GROUP];
-        scalar_scales(record + qbytes, sub, has_min, kscale, d, mn);
+        scalar_scales(factors_at(wg, b, rec, fb), record + qbytes, sub, has_min, kscale, d, mn);
         for (int r = 0; r < rows; r++) {
             const int64_t m = a.m0 + r, i = m * a.nb + b;
             for (int j = 0; j < GROUP; j++) {
@@ -343,7 +354,7 @@ static void run_tile(const uint8_t *wg, int64_t g, Rows a, int rows, int bits, i
 static void run_rows(const uint8_t *w, int64_t g, Rows a, int64_t m1, int bits, int sub,
                      int has_min, int kscale, int fast, void *y, int64_t y_stride, int y_bf16)
 {
-    const uint8_t *wg = w + g * a.nb * record_bytes(bits, sub, has_min, kscale);
+    const uint8_t *wg = w + g * group_bytes(a.nb, bits, sub, has_min, kscale);
     while (a.m0 < m1) {
         const int64_t left = m1 - a.m0;
         const int rows = left >= ROW_TILE ? ROW_TILE : left >= 4 ? 4 : left >= 2 ? 2 : 1;
@@ -383,7 +394,7 @@ int quant_matmul(const void *xq, const float *sx, const float *sxb, int64_t M, i
                       (bits == 8 && sub == 1 && !has_min && !kscale) ||    /* Q8_0 */
                       (bits == 5 && sub == 1 && has_min && kscale) ||      /* Q5_K */
                       (bits == 6 && sub == 2 && !has_min && kscale);       /* Q6_K */
-    if (!known) return 1;
+    if (!known || (kscale && K % (SUPER * BLOCK))) return 1;
     const int64_t nb = K / BLOCK, groups = N / GROUP;
 #pragma omp parallel num_threads(num_threads)
     for (int64_t m0 = 0; m0 < M; m0 += SLAB_ROWS) {
@@ -406,17 +417,19 @@ int quant_rows(const uint8_t *w, const int64_t *rows, int64_t num_rows, int64_t 
                int32_t fast, int32_t bits, int32_t sub, int32_t has_min, int32_t kscale,
                void *out, int32_t out_bf16)
 {
-    if (K % BLOCK || N % GROUP) return 1;
+    if (K % BLOCK || N % GROUP || (kscale && K % (SUPER * BLOCK))) return 1;
     const int64_t nb = K / BLOCK, rec = record_bytes(bits, sub, has_min, kscale);
-    const int64_t qbytes = GROUP * BLOCK * bits / 8;
+    const int64_t qbytes = GROUP * BLOCK * bits / 8, fb = factor_bytes(has_min, kscale);
+    const int64_t per_group = group_bytes(nb, bits, sub, has_min, kscale);
     for (int64_t i = 0; i < num_rows; i++) {
         if (rows[i] < 0 || rows[i] >= N) return 2;
         const int64_t g = rows[i] / GROUP;
         const int j = (int)(rows[i] % GROUP);
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *record = w + (g * nb + b) * rec;
+            const uint8_t *wg = w + g * per_group, *record = record_at(wg, b, rec, fb);
             float d[2][GROUP], mn[GROUP];
-            scalar_scales(record + qbytes, sub, has_min, kscale, d, mn);
+            scalar_scales(factors_at(wg, b, rec, fb), record + qbytes, sub, has_min, kscale, d,
+                          mn);
             for (int k = 0; k < BLOCK; k++) {
                 const int q = record_value(record, bits, fast, j, k);
                 volatile float scaled = (float)q * d[sub == 2 ? k / 16 : 0][j]; /* no fma */

@@ -8,16 +8,44 @@
 
 #define GROUP 8  /* outputs (columns) per record */
 #define BLOCK 32 /* inputs per record */
+#define SUPER 8  /* records per K-type super-block (256 inputs), which shares one d and -dmin */
+
+/* A group's records follow each other. The K types' (kscale) come SUPER at a time after their
+   super-block's factors, d (8 fp16) then -dmin (8 fp16, where has_min), one per column:
+       [ factors ] [ record b ] .. [ record b + 7 ]   for b = 0, 8, 16, ...
+   so d and dmin stream once per 256 inputs, as in the file; the f16 types have no factors. */
+static inline int64_t factor_bytes(int has_min, int kscale)
+{
+    return kscale ? 16 + (has_min ? 16 : 0) : 0;
+}
 
 static inline int64_t scale_bytes(int sub, int has_min, int kscale)
 {
-    if (kscale) return 16 + 8 * sub + (has_min ? 24 : 0); /* d, sc[sub], -dmin, mc */
-    return 16 * sub + (has_min ? 16 : 0);                  /* scales[sub], mins: fp16 */
+    if (kscale) return 8 * sub + (has_min ? 8 : 0); /* sc[sub], mc: int8 */
+    return 16 * sub + (has_min ? 16 : 0);          /* scales[sub], mins: fp16 */
 }
 
 static inline int64_t record_bytes(int bits, int sub, int has_min, int kscale)
 {
     return GROUP * BLOCK * bits / 8 + scale_bytes(sub, has_min, kscale);
+}
+
+/* The bytes of one group's nb records (and its factors): a K type's nb is a multiple of SUPER. */
+static inline int64_t group_bytes(int64_t nb, int bits, int sub, int has_min, int kscale)
+{
+    return nb * record_bytes(bits, sub, has_min, kscale) +
+           (kscale ? nb / SUPER * factor_bytes(has_min, kscale) : 0);
+}
+
+/* Record b of a group whose bytes start at wg, and (K types) its super-block's factors. */
+static inline const uint8_t *record_at(const uint8_t *wg, int64_t b, int64_t rec, int64_t fb)
+{
+    return wg + b * rec + (fb ? (b / SUPER + 1) * fb : 0);
+}
+
+static inline const uint8_t *factors_at(const uint8_t *wg, int64_t b, int64_t rec, int64_t fb)
+{
+    return wg + b / SUPER * (SUPER * rec + fb);
 }
 
 /* A record's values take 4, 5, 6 or 8 bits. 4, 5 and 6 share the nibble layout below: the low

@@ -4,7 +4,8 @@
    what a record holds; this is the same transformation without numpy's intermediate arrays,
    so a multi-gigabyte file loads at memory speed. Each thread takes whole groups of 8 output
    rows: for every block of 32 inputs it decodes the 8 rows' values and scales from ggml's
-   block layouts (ggml-common.h) and writes one record. `row_order` (or NULL) names the file
+   block layouts (ggml-common.h) and writes one record (and, at a K type's super-block, the
+   factors before its 8 records: quant_record.h). `row_order` (or NULL) names the file
    row each output row comes from (llama's q/k rows, un-permuted for our rope).
 
    qtype is ggml's type number: Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14. */
@@ -137,6 +138,8 @@ int repack_blocks(const uint8_t *raw, int32_t qtype, int64_t rows, int64_t cols,
     const int sub = qtype == Q6_K ? 2 : 1, has_min = qtype != Q8_0 && qtype != Q6_K;
     const int64_t qbytes = GROUP * BLOCK * bits / 8, nb = cols / BLOCK;
     const int64_t rec = record_bytes(bits, sub, has_min, k_type);
+    const int64_t fb = factor_bytes(has_min, k_type);
+    const int64_t per_group = group_bytes(nb, bits, sub, has_min, k_type);
     /* per record byte: the value (column * 32 + input) its low bits come from, and where the
        type has 4-bit values, the one its high nibble comes from (layout.py's _sources) */
     int low_src[GROUP * BLOCK], high_src[GROUP * BLOCK];
@@ -156,7 +159,10 @@ int repack_blocks(const uint8_t *raw, int32_t qtype, int64_t rows, int64_t cols,
 #pragma omp parallel for num_threads(num_threads) schedule(static) reduction(| : failed)
     for (int64_t g = 0; g < rows / GROUP; g++) {
         for (int64_t b = 0; b < nb; b++) {
-            uint8_t *r = records + (g * nb + b) * rec, *s = r + qbytes;
+            uint8_t *wg = records + g * per_group;
+            uint8_t *r = wg + (record_at(wg, b, rec, fb) - wg), *s = r + qbytes;
+            uint8_t *f = wg + (factors_at(wg, b, rec, fb) - wg); /* K types: d[8], -dmin[8] */
+            const int first = k_type && b % SUPER == 0; /* writes its super-block's factors */
             uint8_t v[GROUP * BLOCK];
             memset(s, 0, (size_t)(rec - qbytes));
             for (int j = 0; j < GROUP; j++) {
@@ -164,13 +170,11 @@ int repack_blocks(const uint8_t *raw, int32_t qtype, int64_t rows, int64_t cols,
                 const int64_t row = row_order ? row_order[out_row] : out_row;
                 RowScales rs = {0};
                 failed |= decode_block(raw, qtype, row, cols, b, v + j * BLOCK, &rs);
-                if (k_type) { /* d[8] fp16, sc[sub][8], -dmin[8] fp16, mc[8] */
-                    memcpy(s + 2 * j, &rs.d, 2);
-                    for (int h = 0; h < sub; h++) s[16 + 8 * h + j] = (uint8_t)rs.sc[h];
-                    if (has_min) {
-                        memcpy(s + 16 + 8 * sub + 2 * j, &rs.nd, 2);
-                        s[32 + 8 * sub + j] = (uint8_t)rs.mc;
-                    }
+                if (k_type) { /* sc[sub][8], mc[8]; the factors d[8] fp16, -dmin[8] fp16 */
+                    for (int h = 0; h < sub; h++) s[8 * h + j] = (uint8_t)rs.sc[h];
+                    if (has_min) s[8 * sub + j] = (uint8_t)rs.mc;
+                    if (first) memcpy(f + 2 * j, &rs.d, 2);
+                    if (first && has_min) memcpy(f + 16 + 2 * j, &rs.nd, 2);
                 } else { /* scales[sub][8] fp16, mins[8] fp16 */
                     memcpy(s + 2 * j, &rs.scale, 2);
                     if (has_min) memcpy(s + 16 * sub + 2 * j, &rs.min, 2);

@@ -43,7 +43,7 @@ Repack = Callable[[FileBlocks, str], torch.Tensor]
 class QuantPart:
     """One weight's records (layout.pack), for outputs [start, start + out_features)."""
 
-    records: torch.Tensor  # (N/8, K/32, record_bytes) uint8
+    records: torch.Tensor  # uint8, layout.records_shape: (N/8, K/32 or K/256, bytes)
     out_features: int
     start: int
     bits: int

@@ -7,12 +7,21 @@ one group's weights are one stream:
 
     record = [ q: 8 cols x 32 inputs, 4, 5, 6 or 8 bits (128, 160, 192, 256 bytes) ] [ scales ]
 
-and the scales in one of two forms, each what the file holds (so a record is the file's bytes,
-or near them) and exactly what its dequantization computes:
+and the scales in one of two forms, each what the file holds (so a group's stream is the
+file's bytes, or near them) and exactly what its dequantization computes:
 
     f16   [ scales: sub x 8 fp16 ] [ mins: 8 fp16, where the type has them ]   Q4_0/Q4_1/Q8_0
-    k     [ d: 8 fp16 ] [ sc: sub x 8 int8 ] [ -dmin: 8 fp16 ] [ mc: 8 int8 ]   Q4_K/Q5_K/Q6_K
-          (scale = d * sc, min = -dmin * mc: products exact in float32)
+    k     [ sc: sub x 8 int8 ] [ mc: 8 int8, where the type has mins ]         Q4_K/Q5_K/Q6_K
+
+The K types' d and dmin belong to the file's super-block of 256 inputs: they come once per 8
+records, before them, as that super-block's factors (scale = d * sc, min = -dmin * mc: products
+exact in float32):
+
+    factors = [ d: 8 fp16 ] [ -dmin: 8 fp16, where the type has mins ]
+    f16 types: records (N/8, K/32, record_bytes)
+    K types:   (N/8, K/256, factor_bytes + 8 * record_bytes): [ factors ] [ 8 records ]
+
+so a Q4_K super-block of a column streams 148 bytes against the file's 144, a Q6_K one 210.
 
 Inside q, the order is the one the kernel's unpacking produces without shuffles (x86's byte
 unpacks and sign extensions work inside 128-bit lanes), so that every 256-bit vector it makes
@@ -114,9 +123,17 @@ _SOURCES = {key: _sources(*key) for key in _POSITIONS}
 _PLANES = {(mode, bits): _plane_positions(mode, bits) for mode in MODES for bits in (5, 6)}
 
 
+SUPER = 8  # records per K-type super-block (256 inputs): one d and -dmin per column
+
+
+def factor_bytes(has_min: bool, kscale: bool) -> int:
+    """A K type's super-block factors: d (and -dmin) for 8 columns, fp16; 0 for the others."""
+    return (2 * GROUP + (2 * GROUP if has_min else 0)) if kscale else 0
+
+
 def scale_bytes(sub: int, has_min: bool, kscale: bool) -> int:
     if kscale:
-        return 2 * GROUP + GROUP * sub + (3 * GROUP if has_min else 0)
+        return GROUP * sub + (GROUP if has_min else 0)
     return 2 * GROUP * sub + (2 * GROUP if has_min else 0)
 
 
@@ -124,8 +141,19 @@ def record_bytes(bits: int, sub: int, has_min: bool, kscale: bool) -> int:
     return GROUP * BLOCK * bits // 8 + scale_bytes(sub, has_min, kscale)
 
 
+def records_shape(
+    rows: int, cols: int, bits: int, sub: int, has_min: bool, kscale: bool
+) -> tuple[int, int, int]:
+    """The uint8 array a (rows, cols) weight's records fill: per group of 8 rows, its blocks
+    (f16 types) or its super-blocks with their factors (K types)."""
+    rec = record_bytes(bits, sub, has_min, kscale)
+    if kscale:
+        return rows // GROUP, cols // (SUPER * BLOCK), factor_bytes(has_min, kscale) + SUPER * rec
+    return rows // GROUP, cols // BLOCK, rec
+
+
 def pack(blocks: Blocks, mode: str) -> np.ndarray:
-    """Blocks of an (N, K) weight -> (N/8, K/32, record_bytes) uint8 records for `mode`.
+    """Blocks of an (N, K) weight -> uint8 records for `mode`, shaped `records_shape`.
     Raises ValueError for an f16-form type whose scales or mins are not fp16 values (a Q4_0
     scale so large that -8 d overflows fp16)."""
     n, k = blocks.q.shape
@@ -155,15 +183,28 @@ def pack(blocks: Blocks, mode: str) -> np.ndarray:
         return np.ascontiguousarray(v, dtype=dtype).view(np.uint8).reshape(groups, nblocks, -1)
 
     f = blocks.factors
-    if f is not None:
-        parts = [qs, per_record(f.d, 1, np.float16), per_record(f.sc, sub, np.int8)]
-        if f.nd is not None and f.mc is not None:
-            parts += [per_record(f.nd, 1, np.float16), per_record(f.mc, 1, np.int8)]
-    else:
+    if f is None:
         parts = [qs, per_record(_as_halves(blocks.scales, blocks.source), sub, np.float16)]
         if blocks.mins is not None:
             parts.append(per_record(_as_halves(blocks.mins, blocks.source), 1, np.float16))
-    return np.ascontiguousarray(np.concatenate(parts, axis=2))
+        return np.ascontiguousarray(np.concatenate(parts, axis=2))
+    if nblocks % SUPER:
+        raise ValueError(f"{blocks.source}: {k} inputs are not whole super-blocks of 256")
+    parts = [qs, per_record(f.sc, sub, np.int8)]
+    # the factors, per super-block: f.d and f.nd repeat the super-block's value per 32 inputs
+    factors = [f.d[:, ::SUPER]]
+    if f.nd is not None and f.mc is not None:
+        parts.append(per_record(f.mc, 1, np.int8))
+        factors.append(f.nd[:, ::SUPER])
+    supers = nblocks // SUPER
+    records = np.concatenate(parts, axis=2).reshape(groups, supers, -1)
+    heads = [
+        np.ascontiguousarray(v.reshape(groups, GROUP, supers).transpose(0, 2, 1), np.float16)
+        .view(np.uint8)
+        .reshape(groups, supers, 2 * GROUP)
+        for v in factors
+    ]
+    return np.ascontiguousarray(np.concatenate([*heads, records], axis=2))
 
 
 def _as_halves(values: np.ndarray, source: str) -> np.ndarray:
@@ -182,7 +223,12 @@ def unpack_rows(
     qbytes = GROUP * BLOCK * bits // 8
     byte, shift = _POSITIONS[(mode, bits)]
     group, lane = np.divmod(rows, GROUP)
-    rec = records[group]  # (R, K/32, record)
+    rec = records[group]  # (R, K/32, record), or (R, K/256, factors + 8 records)
+    heads = None
+    if kscale:  # the super-blocks' factors apart, and their records as (R, K/32, record)
+        fb = factor_bytes(has_min, kscale)
+        heads = np.repeat(rec[:, :, :fb], SUPER, axis=1)  # (R, K/32, factors)
+        rec = rec[:, :, fb:].reshape(len(rows), rec.shape[1] * SUPER, -1)
     nblocks = rec.shape[1]
     where = np.repeat(byte[lane][:, None, :], nblocks, axis=1)  # (R, K/32, 32)
     mine = np.take_along_axis(rec[:, :, :qbytes], where, axis=2)
@@ -199,19 +245,21 @@ def unpack_rows(
             q = q - 32
     r = np.arange(len(rows))
 
-    def field(start: int, per_block: int, dtype: type) -> np.ndarray:
-        """Bytes [start, ...) of each record as (R, K/32, per_block) values of `dtype`."""
+    def field(start: int, per_block: int, dtype: type, of: np.ndarray | None = None) -> np.ndarray:
+        """Bytes [start, ...) of each record's scales (or of `of`, its factors) as
+        (R, K/32, per_block) values of `dtype`."""
         size = np.dtype(dtype).itemsize * GROUP * per_block
-        raw = np.ascontiguousarray(rec[:, :, qbytes + start : qbytes + start + size])
+        where = rec[:, :, qbytes:] if of is None else of
+        raw = np.ascontiguousarray(where[:, :, start : start + size])
         values: np.ndarray = raw.view(dtype).reshape(-1, nblocks, per_block, GROUP)[r, :, :, lane]
         return values.astype(np.float32)
 
     mins = None
-    if kscale:  # the products the kernels form, exact in float32
-        scales = field(0, 1, np.float16) * field(2 * GROUP, sub, np.int8)
+    if heads is not None:  # the products the kernels form, exact in float32
+        scales = field(0, 1, np.float16, heads) * field(0, sub, np.int8)
         if has_min:
-            at = 2 * GROUP + GROUP * sub
-            mins = (field(at, 1, np.float16) * field(at + 2 * GROUP, 1, np.int8))[:, :, 0]
+            nd = field(2 * GROUP, 1, np.float16, heads)
+            mins = (nd * field(GROUP * sub, 1, np.int8))[:, :, 0]
     else:
         scales = field(0, sub, np.float16)
         if has_min:
