@@ -20,12 +20,14 @@ import asyncio
 import json
 import random
 import socket
-import threading
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import httpx
 from agent_workload import SYSTEM_PROMPT, TASKS, TOOLS, tool_result
 from openai import AsyncOpenAI
 
@@ -192,32 +194,36 @@ def _record(response: Any, name: str, output: Any) -> Record:
 
 @contextmanager
 def serve(speculate: str, dtype: str, threads: int) -> Iterator[str]:
-    """The default model served in this process with `speculate`; yields the /v1 base URL."""
-    import uvicorn
-
-    from radixlm.config import ModelConfig, SchedulerConfig, ServerConfig
-    from radixlm.engine.async_engine import AsyncEngine
-    from radixlm.engine.engine import Engine
-    from radixlm.server.app import create_app
-
-    engine = AsyncEngine(lambda: Engine(
-        ModelConfig(dtype=dtype, num_threads=threads),  # type: ignore[arg-type]
-        scheduler_config=SchedulerConfig(speculate=speculate),  # type: ignore[arg-type]
-    ))  # fmt: skip
-    engine.start()
-    app = create_app(engine, ServerConfig())
+    """`radixlm serve` (the default model) with `--speculate` in a child process of its own:
+    each run starts from a fresh process, and nothing one run allocates stays for the next;
+    yields the /v1 base URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
+    sock.close()
+    flags = {"--port": str(port), "--dtype": dtype, "--num-threads": str(threads),
+             "--speculate": speculate, "--log-level": "warning"}  # fmt: skip
+    command = [sys.executable, "-m", "radixlm", "serve", *(x for f in flags.items() for x in f)]
+    child = subprocess.Popen(command)
+    url = f"http://127.0.0.1:{port}"
     try:
-        while not server.started:
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}/v1"
+        deadline = time.monotonic() + 600
+        while True:
+            if child.poll() is not None:
+                raise RuntimeError(f"radixlm serve exited with {child.returncode}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("radixlm serve did not answer in 600 s")
+            time.sleep(0.5)
+        yield url + "/v1"
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        engine.shutdown()
-        sock.close()
+        child.terminate()
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()

@@ -1,4 +1,4 @@
-"""One request must never hurt another (issue 19): an error that belongs to one request (its
+"""One request must never hurt another: an error that belongs to one request (its
 sampling, its detokenizer or stop checks) fails that request alone, the others finish with the
 very tokens they get without it, and the slot account is back at idle."""
 
@@ -183,8 +183,8 @@ def test_a_fault_in_one_request_fails_it_alone(
 def test_tiny_sampling_values_run_beside_the_others(
     make_engine: Callable[..., Engine], reference: dict[int, list[list[int]]]
 ) -> None:
-    """Issue 19: top_p / temperature / repetition_penalty of 1e-300 failed every request in
-    the batch (500 for all); now they run, and the tiny temperature and top_p are greedy."""
+    """top_p / temperature / repetition_penalty of 1e-300 run (they once failed every request
+    in the batch with a 500), and the tiny temperature and top_p are greedy."""
     engine = make_engine()
     tiny = [
         SamplingParams(temperature=1.0, top_p=1e-300, max_tokens=MAX_TOKENS, ignore_eos=True),

@@ -1,4 +1,4 @@
-"""The Scheduler is the one writer of a request's KV state (issue 14): `node`, `slots`,
+"""The Scheduler is the one writer of a request's KV state: `node`, `slots`,
 `cached_len`, `computed_len` (and `forks`, the samples that will start on its prompt) change
 only inside radixlm/engine/scheduler.py, through every
 path a request can take (chunked prefill, n > 1 forks, pages, retraction, abort, a failed

@@ -1,6 +1,6 @@
 """The sampler at the edges of what SamplingParams accepts: every value gives a valid token and
 finite logprobs, penalties never reorder tokens, and the limits are the greedy choice (a tiny
-temperature, a tiny top_p, top_k 1, min_p 1). The reproductions of issue 19 come first."""
+temperature, a tiny top_p, top_k 1, min_p 1). The reproductions of past crashes come first."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def wide_logits(rows: int, vocab: int, seed: int, scale: float = 3.0) -> torch.T
 
 @pytest.mark.parametrize("top_p", [1e-300, 7e-46, 1e-46])
 def test_a_tiny_top_p_keeps_the_top_token(top_p: float) -> None:
-    # issue 19: `index -1 is out of bounds` in _keep_top_p (top_p is 0.0 in float32)
+    # once: `index -1 is out of bounds` in _keep_top_p (top_p is 0.0 in float32)
     logits = wide_logits(4, 1000, seed=0)
     params = SamplingParams(temperature=1.0, top_p=top_p)
     out = Sampler(seed=0).sample(logits, [SamplingState(params) for _ in range(4)])
@@ -43,7 +43,7 @@ def test_a_tiny_top_p_keeps_the_top_token(top_p: float) -> None:
 @pytest.mark.parametrize("temperature", [1e-300, 1e-45, 1e-38, 1e-37])
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
 def test_a_tiny_temperature_is_the_greedy_choice(temperature: float, top_p: float) -> None:
-    # issue 19: token id 0 (the least likely) once logits / temperature overflowed to inf
+    # once: token id 0 (the least likely) once logits / temperature overflowed to inf
     logits = wide_logits(4, 1000, seed=1, scale=20.0)  # maxima near 70: 70 / 1e-37 > float32
     params = SamplingParams(temperature=temperature, top_p=top_p)
     out = Sampler(seed=1).sample(logits, [SamplingState(params) for _ in range(4)])
@@ -55,7 +55,7 @@ def test_a_tiny_temperature_is_the_greedy_choice(temperature: float, top_p: floa
 def test_an_extreme_repetition_penalty_keeps_the_exact_order(
     penalty: float, temperature: float
 ) -> None:
-    # issue 19: repetition_penalty 1e-300 divided by 0.0 (inf logits, then a crash or token 0)
+    # once: repetition_penalty 1e-300 divided by 0.0 (inf logits, then a crash or token 0)
     logits = wide_logits(3, 64, seed=2)
     prompt = list(range(0, 64, 3))
     params = SamplingParams(temperature=temperature, top_p=0.9, repetition_penalty=penalty)

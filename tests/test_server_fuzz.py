@@ -2,7 +2,7 @@
 
 Whatever a request holds, the answer is a 2xx or a 4xx (never a 5xx, never an error inside a
 stream), a well-formed greedy request running alongside gets the same tokens every time, and
-the slot accounting is back at idle afterwards (issue 19: one request must never hurt another).
+the slot accounting is back at idle afterwards (one request must never hurt another).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Small items of issue 19: unexpected 500s are counted and in the OpenAI shape, bad query
+"""Hardening rules: unexpected 500s are counted and in the OpenAI shape, bad query
 parameters are 400s (not FastAPI's 422), and floods of /health and /metrics cost the engine
 thread (which the streams wait on) nothing per request."""
 

@@ -1,4 +1,4 @@
-"""The cache side channel (issue 19): `cached_tokens` told a client how much of its prompt another
+"""The cache side channel: `cached_tokens` told a client how much of its prompt another
 client had sent. Keys get their own cache namespaces by default, a header can name the tenant,
 and the server can round `cached_tokens` to pages or leave it out. Plus the key check itself:
 several keys, a case-insensitive scheme, and no key in the startup banner.
