@@ -10,11 +10,11 @@ loads (cache/l2/loads.py). What is written follows two rules:
   (cache/turns.py). A finished request's path is written through down to its deepest node the
   filter wants: that write happens before RAM is full, so it asks the filter alone.
 - The *pressure rule* (`write_on_eviction`), for a node RAM evicts: while the file has free
-  extents for it, it is written whatever the filter says (its KV is computed already and the
-  write is cheap; a filter that refuses writes to a tier with free room loses hits for
-  nothing); once the file is full, only a node the filter wants is written, and it may evict
-  L2's least recently used leaves to make room. This is `bench cache`'s default rule
-  (`pressure`, bench/l2_sim.py), the one measured against RAM alone (docs/cache.md).
+  extents for it, it is written whatever the filter says (its KV is computed already: a write
+  costs a copy, a miss a recompute; a filter that refuses writes to a tier with free room loses
+  hits for nothing); once the file is full, only a node the filter wants is written, and it
+  may evict L2's least recently used leaves to make room. This is `bench cache`'s default
+  rule (`pressure`, bench/l2_sim.py), the one measured against RAM alone (docs/cache.md).
 The client's `prompt_cache_retention` overrides both: `in_memory` is never written, `24h` always.
 
 A finished request's path is written through: each extent's KV is gathered on an I/O thread

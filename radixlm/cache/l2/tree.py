@@ -6,8 +6,8 @@ thing this tree calls. It extends RadixTree through its hooks:
 - `_leave_ram`: L1 evicts a leaf (no child in RAM): its slots are freed and, when it is kept
   (the store's pressure rule, `write_on_eviction`: free room, or the write filter once L2 is
   full; or L2 children that would be unreachable without it), its extents are written first and
-  it moves to its parent's `l2.children`. A tail no extent
-  covers is cut off. A node written through already only settles its staged extents.
+  it moves to its parent's `l2.children`. A tail no extent covers is cut off. A node written
+  through already only settles its staged extents.
 - `_below_ram`: an insert that runs into L2 nodes claims them with the inserted slots (their
   extents stay); a node about to gain a child gives up its tail extent (the child's first extent
   holds those tokens, whole). The caller ends any load reading those nodes first
