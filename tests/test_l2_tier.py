@@ -227,7 +227,11 @@ def test_a_request_aborted_while_its_prefix_loads_gives_everything_back(
     assert_idle(tiered)
 
 
-def test_one_shot_requests_never_reach_the_disk(model_dir: Path, tmp_path: Path) -> None:
+def test_while_the_disk_has_room_what_ram_evicts_is_written_and_loads_back(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """While L2 has free extents, a node RAM evicts is written whatever the write filter says
+    (one-shot first turns included), and a later request with the same prompt loads it."""
     rng = random.Random(5)
     prompts = [[rng.randrange(1, 250) for _ in range(150)] for _ in range(6)]
     tiered = engine(model_dir, l2_dir=tmp_path)
@@ -235,12 +239,74 @@ def test_one_shot_requests_never_reach_the_disk(model_dir: Path, tmp_path: Path)
     assert isinstance(cache, TieredRadixCache)
     for prompt in prompts:  # 6 x 162 tokens through 400 slots: most are evicted
         run(tiered, [prompt])
-    # a response continues its own request's turn: first turns only, so nothing is written
-    assert cache.store.written_extents == 0 and cache.tree.l2_rejected_tokens > 0
-    second = prompts[-1] + outputs(run(tiered, [prompts[-1]]))[0] + [7] * 20
-    run(tiered, [second])
-    m = cache.tree.match(second)
+    # first turns only (the filter wants none), none written through, all evicted ones written
+    assert cache.store.through_extents == 0 and cache.store.written_extents >= 3 * 3
+    assert cache.tree.l2_rejected_tokens == 0
+    assert cache.tree.match(prompts[0]).length == 0  # it left RAM: it is on disk only
+    expected = outputs(run(engine(model_dir, cache="none"), [prompts[0]]))
+    assert outputs(run(tiered, [prompts[0]])) == expected
+    assert cache.loads.hit_tokens >= 128 and cache.loads.bad_extents == 0
+    assert_idle(tiered)
+
+
+def test_a_full_disk_writes_only_what_the_filter_wants(model_dir: Path, tmp_path: Path) -> None:
+    """Once L2 has no free extents, a one-shot first turn RAM evicts is not written (counted in
+    `l2_rejected_tokens`) and displaces nothing, while a later turn is still written, evicting
+    L2's least recently used leaves."""
+    rng = random.Random(5)
+    words = lambda n: [rng.randrange(1, 250) for _ in range(n)]  # noqa: E731
+    plain = engine(model_dir, cache="none")
+    tiered = engine(model_dir, l2_dir=tmp_path, l2_capacity=9 * 64)
+    cache = tiered.cache
+    assert isinstance(cache, TieredRadixCache)
+    first = words(120)
+    second = first + outputs(run(tiered, [first]))[0] + words(30)
+    third = second + outputs(run(tiered, [second]))[0] + words(20)
+    assert cache.store.through_extents == 3  # the second turn: 0..128, then 128..173
+    for _ in range(4):  # one-shot first turns: the first evicted fill the disk's 6 free extents
+        run(tiered, [words(150)])
+    assert cache.store.written_extents == 9 and cache.store.num_free_extents == 0
+    assert cache.tree.l2_rejected_tokens == 0
+    run(tiered, [words(150)])  # RAM evicts one more first turn: the disk is full, it is refused
+    assert cache.store.written_extents == 9 and cache.tree.l2_rejected_tokens >= 150
+    assert cache.tree.l2_evicted_extents == 0
+    assert cache.tree.peek_tiers(third) == len(second) + 11  # the conversation is kept whole
+    hits = cache.loads.hit_tokens
+    assert outputs(run(tiered, [third])) == outputs(run(plain, [third]))
+    assert cache.loads.hit_tokens - hits == len(second) + 11
+    # A second turn of another conversation is written through, into a full disk: the least
+    # recently used one-shot extents make room for it.
+    other = words(120)
+    other_second = other + outputs(run(tiered, [other]))[0] + words(30)
+    through, evicted = cache.store.through_extents, cache.tree.l2_evicted_extents
+    assert outputs(run(tiered, [other_second])) == outputs(run(plain, [other_second]))
+    # a response continues its own request's turn: the next prompt is turn 2
+    m = cache.tree.match(other_second)
     assert m.node.turn == 2 and m.node.parent is not None and m.node.parent.turn == 1
+    assert cache.store.through_extents - through == 3
+    assert cache.tree.l2_evicted_extents - evicted >= 3
+    assert_idle(tiered)
+
+
+def test_in_memory_retention_is_never_written_even_with_room(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """`prompt_cache_retention: in_memory` keeps a request's KV off the disk even while L2 has
+    free extents; a default request evicted beside it is written."""
+    rng = random.Random(13)
+    ram_only, default, filler = ([rng.randrange(1, 250) for _ in range(n)] for n in (150, 150, 380))
+    in_memory = dataclasses.replace(GREEDY, cache_retention="in_memory")
+    tiered = engine(model_dir, l2_dir=tmp_path)
+    cache = tiered.cache
+    assert isinstance(cache, TieredRadixCache)
+    run(tiered, [ram_only], in_memory)
+    run(tiered, [default])
+    run(tiered, [filler], in_memory)  # evicts both from RAM
+    assert cache.tree.match(ram_only).length == cache.tree.match(default).length == 0
+    assert cache.tree.peek_tiers(ram_only) == 0 and cache.tree.peek_tiers(default) >= 128
+    assert cache.store.written_extents == 3  # the default request's 0..128, then 128..161
+    assert cache.tree.l2_rejected_tokens >= len(ram_only)
+    assert cache.store.num_free_extents > 3
     assert_idle(tiered)
 
 

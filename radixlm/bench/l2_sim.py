@@ -1,20 +1,20 @@
 """The L2 (disk) tier as `bench cache` simulates it: which tokens it holds, hits, bytes moved.
 
 L1 is the replayed RadixTree. As the served tier does (cache/l2/tree.py), a finished request's
-path is written through down to its deepest node *likely to come back*, and a node L1 evicts is
-written then if it was not yet and aged from then (the write filter of cache/l2/store.py: a
-node that had a hit, a conversation's second turn or later, or a first turn when at least
-`write_rate` of first turns have come back so far: one-shot traffic never reaches the disk,
-chat traffic whose first turns often return does). L2 is a second tree over the same tokens
-with its own capacity and leaf-first LRU eviction. A request whose L1 match stops early and
-whose prompt continues in L2 reads that continuation back: those tokens are L2 hits (loaded,
-not recomputed). Writing a node writes the part of its path that L2 does not hold yet, so L2
-stays prefix-closed, as the served tier must be to be useful.
+path is written through down to its deepest node *likely to come back* (the write filter of
+cache/l2/store.py: a node that had a hit, a conversation's second turn or later, or a first turn
+when at least `write_rate` of first turns have come back so far), and a node L1 evicts is
+written then, by `write_rule`, if it was not yet, and aged from then. L2 is a second tree over
+the same tokens with its own capacity and leaf-first LRU eviction. A request whose L1 match
+stops early and whose prompt continues in L2 reads that continuation back: those tokens are L2
+hits (loaded, not recomputed). Writing a node writes the part of its path that L2 does not hold
+yet, so L2 stays prefix-closed, as the served tier must be to be useful.
 
-What RAM evicts is written by `write_rule`: `filter` asks the write filter always (the served
-tier's rule); `pressure` writes everything while the tier has room for it and asks the filter
-only once it is full (a filter that refuses writes to a tier with free space loses hits for
-nothing); `all` writes everything, evicting L2's least recently used leaves when full.
+What RAM evicts is written by `write_rule`: `pressure` (the default, and the served tier's rule:
+cache/l2/store.py's `write_on_eviction`) writes everything while the tier has room for it and
+asks the filter only once it is full (a filter that refuses writes to a tier with free space
+loses hits for nothing); `filter` asks the write filter always (one-shot traffic never reaches
+the disk); `all` writes everything, evicting L2's least recently used leaves when full.
 """
 
 from __future__ import annotations

@@ -2,11 +2,20 @@
 
 `ExtentStore` is what the tree (cache/l2/tree.py) asks of it; L2Store is the one on disk.
 
-The tree (cache/l2/tree.py) decides which extents a node holds; the store decides whether a node
-is worth a write (the *write filter*: a hit, a conversation's second turn or later, or a first
-turn once enough of them measurably came back, cache/turns.py; the client's
-`prompt_cache_retention` overrides it), hands extents to the extent file's I/O threads
-(cache/l2/extent_file.py) and reads them back for loads (cache/l2/loads.py).
+The tree (cache/l2/tree.py) decides which extents a node holds; the store decides what is written
+(hands extents to the extent file's I/O threads, cache/l2/extent_file.py) and reads them back for
+loads (cache/l2/loads.py). What is written follows two rules:
+- The *write filter* (`worth_writing`): a node likely to be asked for again: a hit, a
+  conversation's second turn or later, or a first turn once enough of them measurably came back
+  (cache/turns.py). A finished request's path is written through down to its deepest node the
+  filter wants: that write happens before RAM is full, so it asks the filter alone.
+- The *pressure rule* (`write_on_eviction`), for a node RAM evicts: while the file has free
+  extents for it, it is written whatever the filter says (its KV is computed already: a write
+  costs a copy, a miss a recompute; a filter that refuses writes to a tier with free room loses
+  hits for nothing); once the file is full, only a node the filter wants is written, and it
+  may evict L2's least recently used leaves to make room. This is `bench cache`'s default
+  rule (`pressure`, bench/l2_sim.py), the one measured against RAM alone (docs/cache.md).
+The client's `prompt_cache_retention` overrides both: `in_memory` is never written, `24h` always.
 
 A finished request's path is written through: each extent's KV is gathered on an I/O thread
 from slots the tree still owns (`StagedExtent`), and the tree calls `settle` before it frees any
@@ -163,6 +172,17 @@ class L2Store:
 
     def close(self) -> None:
         self.file.close()
+
+
+def write_on_eviction(
+    store: ExtentStore, node: TreeNode, turns: TurnTracker, num_extents: int
+) -> bool:
+    """The pressure rule (the module): whether `node`, leaving RAM with `num_extents` extents to
+    write, is written. Free room for all of them: yes, unless the client said otherwise; else the
+    write filter decides (and the write may evict L2 to make room)."""
+    if node.retention == DEFAULT_RETENTION and num_extents <= store.num_free_extents:
+        return True
+    return store.worth_writing(node, turns)
 
 
 def _path(node: TreeNode) -> tuple[np.ndarray, np.ndarray, Namespace]:

@@ -3,10 +3,11 @@
 Which extents a node holds (every extent ending in its edge, a leaf's tail extent) is the rule of
 cache/l2/node.py; the extents themselves live in an `ExtentStore` (cache/l2/store.py), the only
 thing this tree calls. It extends RadixTree through its hooks:
-- `_leave_ram`: L1 evicts a leaf (no child in RAM): its slots are freed and, when it is worth
-  keeping (the store's write filter, or L2 children that would be unreachable without it),
-  its extents are written first and it moves to its parent's `l2.children`. A tail no extent
-  covers is cut off. A node written through already only settles its staged extents.
+- `_leave_ram`: L1 evicts a leaf (no child in RAM): its slots are freed and, when it is kept
+  (the store's pressure rule, `write_on_eviction`: free room, or the write filter once L2 is
+  full; or L2 children that would be unreachable without it), its extents are written first and
+  it moves to its parent's `l2.children`. A tail no extent covers is cut off. A node written
+  through already only settles its staged extents.
 - `_below_ram`: an insert that runs into L2 nodes claims them with the inserted slots (their
   extents stay); a node about to gain a child gives up its tail extent (the child's first extent
   holds those tokens, whole). The caller ends any load reading those nodes first
@@ -45,7 +46,7 @@ from radixlm.cache.l2.node import (
     l2_of,
     wants_tail_extent,
 )
-from radixlm.cache.l2.store import ExtentStore
+from radixlm.cache.l2.store import ExtentStore, write_on_eviction
 from radixlm.cache.radix_tree import RadixTree
 from radixlm.cache.tree_node import (
     NO_SLOTS,
@@ -81,7 +82,7 @@ class TieredTree(RadixTree):
         self.num_l2_nodes = 0  # nodes held on L2 only
         self.num_l2_extents = 0  # extents held by nodes
         self.l2_evicted_extents = 0
-        self.l2_rejected_tokens = 0  # left RAM without being worth a write
+        self.l2_rejected_tokens = 0  # left RAM unwritten (L2 full, the filter refused; RAM_ONLY)
 
     # -- match: the RAM prefix and its L2 continuation --------------------------------------
 
@@ -209,7 +210,7 @@ class TieredTree(RadixTree):
         """Give `node` its extents (those ending in its edge, and its tail extent if it is a
         leaf), cutting it where L2 ran out."""
         first, last = node.start // EXTENT_TOKENS, node.depth // EXTENT_TOKENS
-        count = last - first + wants_tail_extent(node)
+        count = _num_to_write(node)
         if count == 0 and not l2_children(node):
             return  # no extent ends here and nothing below needs this node
         self._make_room(node, count)
@@ -229,7 +230,9 @@ class TieredTree(RadixTree):
     def _leave_ram(self, node: TreeNode) -> None:
         if extents_of(node) is not None:
             self.store.settle(node)  # written through: its slots go once their KV is copied
-        elif l2_children(node) or self.store.worth_writing(node, self.turns):
+        elif l2_children(node) or write_on_eviction(
+            self.store, node, self.turns, _num_to_write(node)
+        ):
             self._write(node)
         else:
             self.l2_rejected_tokens += node.num_tokens
@@ -473,3 +476,9 @@ class TieredTree(RadixTree):
             return
         if not record.seq:
             self.l2_order.add(node)
+
+
+def _num_to_write(node: TreeNode) -> int:
+    """The extents `_write` gives `node`: those ending in its edge, and its tail extent if it is
+    a leaf ending inside one."""
+    return extents_ending_in(node) + wants_tail_extent(node)
