@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from helpers import sse_lines
 from live_server import LiveServer, live_server, save_tiny_chat_model
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -128,7 +129,7 @@ def _usage(answer: bytes) -> tuple[int | None, int | None, int | None]:
     found: dict[str, Any] | None = None
     text = answer.decode(errors="replace")
     streamed = text.startswith(("data:", "event:"))
-    lines = [line.removeprefix("data: ") for line in text.splitlines() if line.startswith("data: ")]
+    lines = [line.removeprefix("data: ") for line in sse_lines(text) if line.startswith("data: ")]
     payloads = lines if streamed else [text]
     for payload in payloads:
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -238,10 +239,14 @@ def load_script(path: Path, name: str) -> ModuleType:
     return module
 
 
+def sse_lines(body: str) -> list[str]:
+    """A server-sent-events body's lines: SSE ends a line at CR, LF or CRLF only, never at the
+    other breaks str.splitlines knows (U+2028 or U+0085 in generated text are JSON content)."""
+    return re.split(r"\r\n|[\r\n]", body)
+
+
 def sse_events(body: str) -> list[dict[str, Any]]:
     """The JSON events of a server-sent-events body, in order (the final [DONE] left out)."""
     return [
-        json.loads(line[len("data: ") :])
-        for line in body.splitlines()
-        if line.startswith("data: {")
+        json.loads(line[len("data: ") :]) for line in sse_lines(body) if line.startswith("data: {")
     ]

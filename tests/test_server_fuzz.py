@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers import sse_lines
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from live_server import LiveServer, live_server, save_tiny_chat_model
@@ -140,7 +141,7 @@ def _fuzz(client: httpx.Client) -> None:
             error = response.json()["error"]
             assert error["message"] and set(error) == {"message", "type", "param", "code"}
         elif body.get("stream"):
-            for line in response.text.splitlines():
+            for line in sse_lines(response.text):
                 if line.startswith("data: {"):
                     assert "error" not in json.loads(line[6:]), (body, line)
 

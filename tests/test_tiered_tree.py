@@ -321,8 +321,15 @@ def test_a_finished_path_is_written_through_and_leaves_ram_without_a_write() -> 
     assert h.tree.match(turn2).length == 250
 
 
-def test_a_finish_writes_nothing_not_worth_keeping() -> None:
-    h = Harness(worth=False)
+def test_a_finish_writes_through_while_l2_has_room_then_only_what_the_filter_wants() -> None:
+    """The pressure rule at a finish: room for the whole path, it is written whatever the
+    filter says; no room (300 tokens: 4 whole extents and a tail, 2 free), the filter decides."""
+    h = Harness(worth=False, num_extents=8)
+    h.insert(A)
+    h.finish(A)
+    h.check()
+    assert h.tree.num_l2_extents == 5 and h.store.eviction_writes == 0
+    h = Harness(worth=False, num_extents=2)
     h.insert(A)
     h.finish(A)
     h.check()

@@ -11,7 +11,7 @@ hits (loaded, not recomputed). Writing a node writes the part of its path that L
 yet, so L2 stays prefix-closed, as the served tier must be to be useful.
 
 What RAM evicts is written by `write_rule`: `pressure` (the default, and the served tier's rule:
-cache/l2/store.py's `write_on_eviction`) writes everything while the tier has room for it and
+cache/l2/store.py's `pressure_wants`) writes everything while the tier has room for it and
 asks the filter only once it is full (a filter that refuses writes to a tier with free space
 loses hits for nothing); `filter` asks the write filter always (one-shot traffic never reaches
 the disk); `all` writes everything, evicting L2's least recently used leaves when full.

@@ -7,14 +7,17 @@ The tree (cache/l2/tree.py) decides which extents a node holds; the store decide
 loads (cache/l2/loads.py). What is written follows two rules:
 - The *write filter* (`worth_writing`): a node likely to be asked for again: a hit, a
   conversation's second turn or later, or a first turn once enough of them measurably came back
-  (cache/turns.py). A finished request's path is written through down to its deepest node the
-  filter wants: that write happens before RAM is full, so it asks the filter alone.
-- The *pressure rule* (`write_on_eviction`), for a node RAM evicts: while the file has free
-  extents for it, it is written whatever the filter says (its KV is computed already: a write
-  costs a copy, a miss a recompute; a filter that refuses writes to a tier with free room loses
-  hits for nothing); once the file is full, only a node the filter wants is written, and it
-  may evict L2's least recently used leaves to make room. This is `bench cache`'s default
-  rule (`pressure`, bench/l2_sim.py), the one measured against RAM alone (docs/cache.md).
+  (cache/turns.py).
+- The *pressure rule* (`pressure_wants`), over the filter: while the file has free extents for
+  a write, it is made whatever the filter says (the KV is computed already: a write costs a
+  copy, a miss a recompute; a filter that refuses writes to a tier with free room loses hits
+  for nothing); once the file is full, only a node the filter wants is written, and it may
+  evict L2's least recently used leaves to make room. This is `bench cache`'s default rule
+  (`pressure`, bench/l2_sim.py), the one measured against RAM alone (docs/cache.md). It
+  decides both writes: a finished request's path is written through down to its deepest node
+  the rule wants (room for the whole path, or the filter), and a node RAM evicts unwritten is
+  written if the rule wants it (room for its extents, or the filter). Writing through while
+  there is room keeps the copy off the engine thread (below): an eviction then only settles.
 The client's `prompt_cache_retention` overrides both: `in_memory` is never written, `24h` always.
 
 A finished request's path is written through: each extent's KV is gathered on an I/O thread
@@ -174,12 +177,13 @@ class L2Store:
         self.file.close()
 
 
-def write_on_eviction(
+def pressure_wants(
     store: ExtentStore, node: TreeNode, turns: TurnTracker, num_extents: int
 ) -> bool:
-    """The pressure rule (the module): whether `node`, leaving RAM with `num_extents` extents to
-    write, is written. Free room for all of them: yes, unless the client said otherwise; else the
-    write filter decides (and the write may evict L2 to make room)."""
+    """The pressure rule (the module): whether `node` is written, in a write of `num_extents`
+    extents (its own as it leaves RAM, or a finished path's). Free room for all of them: yes,
+    unless the client said otherwise; else the write filter decides (and the write may evict
+    L2 to make room)."""
     if node.retention == DEFAULT_RETENTION and num_extents <= store.num_free_extents:
         return True
     return store.worth_writing(node, turns)

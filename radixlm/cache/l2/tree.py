@@ -4,7 +4,7 @@ Which extents a node holds (every extent ending in its edge, a leaf's tail exten
 cache/l2/node.py; the extents themselves live in an `ExtentStore` (cache/l2/store.py), the only
 thing this tree calls. It extends RadixTree through its hooks:
 - `_leave_ram`: L1 evicts a leaf (no child in RAM): its slots are freed and, when it is kept
-  (the store's pressure rule, `write_on_eviction`: free room, or the write filter once L2 is
+  (the store's pressure rule, `pressure_wants`: free room, or the write filter once L2 is
   full; or L2 children that would be unreachable without it), its extents are written first and
   it moves to its parent's `l2.children`. A tail no extent covers is cut off. A node written
   through already only settles its staged extents.
@@ -46,7 +46,7 @@ from radixlm.cache.l2.node import (
     l2_of,
     wants_tail_extent,
 )
-from radixlm.cache.l2.store import ExtentStore, write_on_eviction
+from radixlm.cache.l2.store import ExtentStore, pressure_wants
 from radixlm.cache.radix_tree import RadixTree
 from radixlm.cache.tree_node import (
     NO_SLOTS,
@@ -168,7 +168,7 @@ class TieredTree(RadixTree):
 
     def write_through(self, node: TreeNode) -> int:
         """A request ending at `node` finished: give the path down to its deepest node worth
-        keeping (by the store's filter, or already holding extents) the extents it lacks now,
+        keeping (by the store's pressure rule, or already holding extents) the extents it lacks now,
         copied off the engine thread, so that RAM evicting them later frees their slots and
         writes nothing. Where L2 runs out the node is split after its last written extent (a
         node in RAM is never cut) and the write ends. Returns the extents written. The caller
@@ -178,8 +178,12 @@ class TieredTree(RadixTree):
             path.append(node)
             node = node.parent
         path.reverse()
-        worth = self.store.worth_writing
-        keep = [i for i, n in enumerate(path) if extents_of(n) is not None or worth(n, self.turns)]
+        missing = sum(_num_to_write(n) for n in path if extents_of(n) is None)
+        keep = [
+            i
+            for i, n in enumerate(path)
+            if extents_of(n) is not None or pressure_wants(self.store, n, self.turns, missing)
+        ]
         todo = [n for n in path[: keep[-1] + 1] if extents_of(n) is None] if keep else []
         if not todo:
             return 0
@@ -230,9 +234,7 @@ class TieredTree(RadixTree):
     def _leave_ram(self, node: TreeNode) -> None:
         if extents_of(node) is not None:
             self.store.settle(node)  # written through: its slots go once their KV is copied
-        elif l2_children(node) or write_on_eviction(
-            self.store, node, self.turns, _num_to_write(node)
-        ):
+        elif l2_children(node) or pressure_wants(self.store, node, self.turns, _num_to_write(node)):
             self._write(node)
         else:
             self.l2_rejected_tokens += node.num_tokens
