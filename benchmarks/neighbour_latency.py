@@ -49,6 +49,8 @@ from typing import Any
 
 import httpx
 
+from radixlm.bench.host import describe_host
+
 NEIGHBOUR_TOKENS = 48
 SCENARIOS = ("plain", "stops", "logit_bias", "maximal", "tools_400", "tools_tokens", "tools_prompt")
 
@@ -66,7 +68,8 @@ def main() -> None:
     limit, a_id = model_facts(args.num_slots)
     result: dict[str, Any] = {
         "command": "python benchmarks/neighbour_latency.py " + " ".join(sys.argv[1:]),
-        "checkout": args.checkout,
+        "host": describe_host(),
+        "num_threads": args.num_threads,
         "max_prompt_chars": limit,
         "scenarios": {},
     }

@@ -23,8 +23,9 @@ REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "docs" / "bench"
 RUNS = REPO / "benchmarks" / "peers" / "results" / "runs"
 RUNS_AVX2 = RUNS.with_name("runs-avx2")  # `run.py --isa avx2`
-sys.path[:0] = [str(REPO), str(REPO / "benchmarks" / "peers")]
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks"), str(REPO / "benchmarks" / "peers")]
 
+import render_serving  # noqa: E402  (benchmarks/render_serving.py)
 import report as peers  # noqa: E402  (benchmarks/peers/report.py)
 from engines import ISA_CAPS  # noqa: E402  (benchmarks/peers/engines.py)
 
@@ -227,6 +228,12 @@ def benchmarks_page() -> str:
         model_section(),
         "## Agent loops with tools\n",
         agents_section(),
+        "## A follow-up turn, served\n",
+        render_serving.followup_section(),
+        "## Speculation: drafts from the tree, verified in the decode step\n",
+        render_serving.speculation_section(),
+        "## A neighbour beside requests at their bounds\n",
+        render_serving.neighbour_section(),
         "## Eviction policies and a disk tier, on a production trace\n",
         tiers_section(),
         "### On traces they were not tuned on\n",

@@ -104,8 +104,10 @@ def run(args: argparse.Namespace) -> int:
     result = asyncio.run(run_bench(args, workload))
     print(format_summary(result["summary"]))
     if args.json:
+        from radixlm.bench.host import describe_host  # the client's host, beside the figures
+
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump({**result, "host": describe_host()}, f, indent=2)
         print(f"wrote {args.json}")
     return 0
 
