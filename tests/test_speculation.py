@@ -32,7 +32,13 @@ from test_native_kernel import ISAS, require_native_kernels
 from radixlm.api_types import SamplingParams
 from radixlm.engine.engine import Engine
 from radixlm.engine.scheduler import SchedulerOutput
-from radixlm.engine.speculate import Draft, Proposal, Speculator, StepCost
+from radixlm.engine.speculate import (
+    NEIGHBOUR_SLOWDOWN,
+    Draft,
+    Proposal,
+    Speculator,
+    StepCost,
+)
 from radixlm.model.verify_rows import UNBOUNDED
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -284,6 +290,21 @@ def test_choose_drafts_long_alone_and_short_in_a_large_batch() -> None:
     assert 2 <= alone <= 8 and max(crowd) < alone
     assert lengths([0.1], rows=1) == [0]
     assert lengths([1.0, 1.0], rows=2, room=20) == [10, 10]
+
+
+def test_drafts_beside_a_neighbour_slow_its_step_by_at_most_half() -> None:
+    """A step that also carries a request without a draft: its draft rows may raise the step's
+    cost (1 + r n) by at most NEIGHBOUR_SLOWDOWN, however well the drafting request copies;
+    alone, the same request drafts its whole run."""
+    spec = Speculator("tree", None, exact_rows=UNBOUNDED)
+    spec.cost = StepCost(fixed=0.15)
+    draft = Draft(tuple(range(16)), "prompt")
+    proposal = Proposal(SimpleNamespace(speculation=None), draft, 0.99)  # type: ignore[arg-type]
+    [alone] = spec.choose([proposal], 1, 1000)
+    assert alone is not None and len(alone.tokens) == 16
+    [beside] = spec.choose([proposal], 2, 1000)  # its row and a neighbour's
+    assert beside is not None and len(beside.tokens) >= 1
+    assert 1 + 0.15 * (2 + len(beside.tokens)) <= NEIGHBOUR_SLOWDOWN * (1 + 0.15 * 2)
 
 
 def test_the_row_cost_is_fitted_to_the_steps_timed() -> None:

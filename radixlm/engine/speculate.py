@@ -24,6 +24,13 @@ a^j (1 + r n) > r E (E: the step's expected tokens so far). A lone request copyi
 many tokens; in a large batch, where rows are what a step costs, few; a request whose drafts
 fail, or with nothing to copy, none (a plain decode: a lookup, no row).
 
+Neighbours: a step's draft rows slow every request in it, and the requests that draft nothing
+gain nothing from them. So where a step carries rows of requests without a draft, its draft
+rows may raise its cost by at most NEIGHBOUR_SLOWDOWN (1 + r n' <= NEIGHBOUR_SLOWDOWN (1 + r n)):
+one request copying well beside others can no longer multiply their inter-token latency
+(measured by benchmarks/neighbour_latency.py: a request whose output repeats "a" beside a
+neighbour made the neighbour's steps 2.7x slower than a plain decode beside it did).
+
 Modes (SchedulerConfig.speculate): "off"; "tree" drafts on any backend; "auto" drafts where the
 backend gives verify rows a decode step's bits (exact_rows > 1), so greedy output stays
 token-identical with speculation on and off, and keeps every step within exact_rows rows.
@@ -51,6 +58,7 @@ MAX_DRAFT_LEN = 16  # the longest draft a request verifies in one step
 HIT_DECAY = 0.7  # weight of the past in the acceptance counts, per verify
 IDLE_DECAY = 0.9  # per step drafted nothing: the counts drift back toward the prior
 PRIOR_HITS, PRIOR_MISSES = 2.0, 1.0  # a first draft is worth trying: a = 2/3
+NEIGHBOUR_SLOWDOWN = 1.5  # the most drafts may slow a step that carries rows without a draft
 
 
 class Draft(NamedTuple):
@@ -181,6 +189,8 @@ class Speculator:
         drafts (see the module docstring), at most `room` draft rows in all; None: no row.
         A proposal that gets no row decays its request's counts toward the prior."""
         r = self.cost.row_cost
+        if rows > len(proposals):  # requests without a draft share the step: bound its cost
+            room = min(room, int((NEIGHBOUR_SLOWDOWN - 1) * (1 + r * rows) / r))
         n, expected = rows, float(rows)  # every row without a draft yields one token
         lengths = [0] * len(proposals)
         candidates = sorted(
