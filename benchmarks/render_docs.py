@@ -213,7 +213,8 @@ def benchmarks_page() -> str:
         "with the same client (`radixlm bench serve`: streamed `/v1/completions`, token-id "
         "prompts, greedy, 32 output tokens, EOS ignored, 8 requests in flight); setup, versions "
         "and pitfalls in [peers.md](peers.md).\n",
-        headline_table(runs),
+        headline_table({k: v for k, v in runs.items() if k[1] != "served"}),
+        *_native_served(runs),
         "Every setting of every engine (`benchmarks/peers/report.py` draws the same data as "
         "plots in `benchmarks/peers/results/`):\n",
         peers.full_table(runs),
@@ -250,6 +251,11 @@ def benchmarks_page() -> str:
     return "\n".join(parts)
 
 
+def _native_served(runs: dict[tuple[str, str], Any]) -> list[str]:
+    served = {k: v for k, v in runs.items() if k[1] == "served"}
+    return [served_table(served, "run.py --workloads served --rounds N")] if served else []
+
+
 def avx2_section() -> str:
     runs = peers.load(RUNS_AVX2)
     if not runs:
@@ -273,19 +279,23 @@ def avx2_section() -> str:
     return "\n".join(parts)
 
 
-def served_table(runs: dict[tuple[str, str], Any]) -> str:
-    """Issue 13's served run: one shared prefix, each engine against vLLM float32. With rounds
-    (`run.py --rounds N`), each row is the engine's median round and its ratio the median of the
-    per-round ratios, each round's listed beside it."""
-    vllm = runs.get(("vllm", "served"))
+def served_table(
+    runs: dict[tuple[str, str], Any], command: str = "run.py --isa avx2 --workloads served"
+) -> str:
+    """The served run: one shared prefix, each engine against vLLM (bfloat16 where it ran, else
+    float32). With rounds (`run.py --rounds N`), each row is the engine's median round and its
+    ratio the median of the per-round ratios, each round's listed beside it."""
+    base = "vllm --dtype bfloat16" if ("vllm --dtype bfloat16", "served") in runs else "vllm"
+    vllm = runs.get((base, "served"))
     vllm_tok_s = vllm["summary"]["output_tok_s"] if vllm else None
+    label = "vLLM bfloat16" if base != "vllm" else "vLLM float32"
     num_rounds = max(len(run.get("rounds", [])) for run in runs.values())
     intro = (
-        "Served run (`run.py --isa avx2 --workloads served`: one 1,200-token prefix shared by 16 "
+        f"Served run (`{command}`: one 1,200-token prefix shared by 16 "
         "requests of 80 own tokens each, 24 output tokens, 8 in flight)"
     )
     header = (
-        "| engine setting | output tok/s | over vLLM float32 | TTFT p50 / p99 (ms) "
+        f"| engine setting | output tok/s | over {label} | TTFT p50 / p99 (ms) "
         "| ITL p50 (ms) | cached prompt tokens | other cores busy |"
     )
     rule = "|---|---:|---:|---:|---:|---:|---:|"
@@ -293,15 +303,15 @@ def served_table(runs: dict[tuple[str, str], Any]) -> str:
         intro += (
             f", {num_rounds} rounds (`--rounds {num_rounds}`: the engines alternate, each from a "
             "fresh server every round). A row is the engine's median round by output tok/s (the "
-            'lower middle one for an even count); "over vLLM float32" is the median of the '
+            f'lower middle one for an even count); "over {label}" is the median of the '
             "per-round ratios, which pair the rounds of the same index"
         )
-        header += " per round: output tok/s (over vLLM float32) |"
+        header += f" per round: output tok/s (over {label}) |"
         rule += "---|"
     lines = [intro + ":\n", header, rule]
     for (engine, _), run in runs.items():
         s, c = run["summary"], run["contention"]
-        ratios = _round_ratios(run, vllm) if engine != "vllm" else []
+        ratios = _round_ratios(run, vllm) if engine != base else []
         if ratios:
             ratio = f"{statistics.median(ratios):.2f}x"
         else:
