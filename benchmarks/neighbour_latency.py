@@ -2,6 +2,7 @@
 allowed maximum: no single request may stall the engine thread (docs/security.md).
 
     python benchmarks/neighbour_latency.py [--rounds 3] [--num-threads 1] [--json PATH]
+    python benchmarks/neighbour_latency.py --serve-args "--speculate auto"  # its server's flags
     python benchmarks/neighbour_latency.py --checkout ../other-checkout   # its server instead
 
 `radixlm serve` (the default model, float32) runs in a child process (from `--checkout`, by
@@ -64,16 +65,20 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--only", nargs="*", default=list(SCENARIOS), choices=SCENARIOS)
     parser.add_argument("--warm-s", type=float, default=20.0)
+    # Speculation off: with drafts a streamed chunk carries several tokens, and the time
+    # between chunks is no longer a per-token latency (what this benchmark bounds).
+    parser.add_argument("--serve-args", default="--speculate off", help="radixlm serve flags")
     args = parser.parse_args()
     limit, a_id = model_facts(args.num_slots)
     result: dict[str, Any] = {
         "command": "python benchmarks/neighbour_latency.py " + " ".join(sys.argv[1:]),
         "host": describe_host(),
         "num_threads": args.num_threads,
+        "serve_args": args.serve_args,
         "max_prompt_chars": limit,
         "scenarios": {},
     }
-    with Server(args.checkout, args.num_threads, args.num_slots) as server:
+    with Server(args.checkout, args.num_threads, args.num_slots, args.serve_args.split()) as server:
         neighbour_itl(server.base)  # warm up
         for name in args.only:
             alone = [neighbour_itl(server.base) for _ in range(args.rounds)]
@@ -194,16 +199,18 @@ def model_facts(num_slots: int) -> tuple[int, int]:
 class Server:
     """`radixlm serve` from `checkout` in a child process on a free port."""
 
-    def __init__(self, checkout: str, num_threads: int, num_slots: int) -> None:
+    def __init__(self, checkout: str, num_threads: int, num_slots: int, extra: list[str]) -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
         self.checkout, self.num_threads, self.num_slots = checkout, num_threads, num_slots
+        self.extra = extra
 
     def __enter__(self) -> Server:
         command = [sys.executable, "-m", "radixlm", "serve", "--port", str(self.port),
                    "--dtype", "float32", "--num-threads", str(self.num_threads),
-                   "--num-slots", str(self.num_slots), "--log-level", "warning"]  # fmt: skip
+                   "--num-slots", str(self.num_slots), "--log-level", "warning",
+                   *self.extra]  # fmt: skip
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": self.checkout}
         self.process = subprocess.Popen(command, env=env, cwd=self.checkout)
         self.base = f"http://127.0.0.1:{self.port}"

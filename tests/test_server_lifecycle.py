@@ -62,6 +62,27 @@ def test_stream_cut_midway_returns_every_slot(server: LiveServer) -> None:
     assert cache["engine_stats"]["aborted_requests"] == aborted + 1
 
 
+def test_a_stream_holding_its_text_is_aborted_when_its_client_hangs_up(
+    server: LiveServer, model: Path
+) -> None:
+    """A stream whose every token may still begin its stop string writes nothing after its
+    first chunk; its client hanging up still aborts it (it would otherwise decode its 8,000
+    tokens for nobody)."""
+    from radixlm.tokenizer import Tokenizer
+
+    (a,) = Tokenizer.from_pretrained(str(model)).encode("a", add_special_tokens=False)
+    aborted = _assert_idle(server)["engine_stats"]["aborted_requests"]
+    body = {"prompt": "a a a", "stream": True, **ENDLESS, "stop": ["a" * 500 + "b"],
+            "logit_bias": {str(a): 100}}  # fmt: skip
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break  # the first chunk; then the text is held back: leave
+    cache = _assert_idle(server)
+    assert cache["engine_stats"]["aborted_requests"] == aborted + 1
+
+
 def test_non_streaming_client_that_gives_up_is_aborted(server: LiveServer) -> None:
     aborted = _assert_idle(server)["engine_stats"]["aborted_requests"]
     with pytest.raises(httpx.ReadTimeout):

@@ -57,7 +57,7 @@ async def respond(
     timeline = _Timeline(gen.clock, len(prompts), batch) if body.return_timeline else None
     if body.stream:
         reported = state.tenancy.reported
-        chunks = _stream(gen, header, body.include_usage, reported, outputs, timeline)
+        chunks = _stream(request, gen, header, body.include_usage, reported, outputs, timeline)
         return StreamingResponse(chunks, media_type="text/event-stream")
     try:
         results = await until_disconnected(request, lambda: _collect(gen, len(prompts) * body.n))
@@ -115,6 +115,7 @@ async def _collect(gen: Generation, num_choices: int) -> list[ChoiceResult]:
 
 
 async def _stream(
+    request: Request,
     gen: Generation,
     header: ResponseHeader,
     include_usage: bool,
@@ -124,6 +125,7 @@ async def _stream(
 ) -> AsyncIterator[str]:
     started: set[int] = set()
     offsets: dict[int, int] = {}  # text offset per choice (completions logprobs)
+    watcher = asyncio.ensure_future(_abort_on_disconnect(request, gen))
     try:
         async for choice in gen:
             d = choice.delta
@@ -152,7 +154,16 @@ async def _stream(
             yield _sse(last)
         yield "data: [DONE]\n\n"
     finally:
+        watcher.cancel()
         await gen.aclose()
+
+
+async def _abort_on_disconnect(request: Request, gen: Generation) -> None:
+    """Abort a stream's requests once its client has gone. A write to a closed connection fails
+    too, but a stream may write nothing for a long time (its text held back while it could
+    still end a stop string), and its request must not run on for nobody."""
+    await _disconnect(request)
+    gen.abort()
 
 
 class _Timeline:
