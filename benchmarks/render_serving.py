@@ -101,7 +101,8 @@ def neighbour_section() -> str:
     lines = [
         "`python benchmarks/neighbour_latency.py --rounds 3 --json "
         "docs/bench/neighbour_latency.json`: `radixlm serve` (float32, "
-        f"{r.get('num_threads', 1)} thread, `{r.get('serve_args') or 'defaults'}`) streams a neighbour's greedy chat alone, then beside "
+        f"{r.get('num_threads', 1)} thread, `{r.get('serve_args') or 'defaults'}`) streams a "
+        "neighbour's greedy chat alone, then beside "
         "one request with fields at their allowed maximum (benchmarks/neighbour_latency.py "
         "describes each); its inter-token latency beside over alone, the median over rounds. "
         "`plain` is the control: a long decode with no special field, which a neighbour shares "
