@@ -51,6 +51,7 @@ from typing import Any
 import httpx
 
 from radixlm.bench.host import describe_host
+from radixlm.bench.online_replicas import wait_until_healthy
 
 NEIGHBOUR_TOKENS = 48
 SCENARIOS = ("plain", "stops", "logit_bias", "maximal", "tools_400", "tools_tokens", "tools_prompt")
@@ -214,17 +215,8 @@ class Server:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": self.checkout}
         self.process = subprocess.Popen(command, env=env, cwd=self.checkout)
         self.base = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise SystemExit(f"radixlm serve exited with {self.process.returncode}")
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise SystemExit("radixlm serve did not come up in 300 s")
+        wait_until_healthy(self.process, self.base, 300)
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.process.terminate()

@@ -31,7 +31,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import time
 import timeit
 from argparse import Namespace
 from pathlib import Path
@@ -41,6 +40,7 @@ import httpx
 
 from radixlm.bench.host import describe_host
 from radixlm.bench.online import run_bench, workload_from_args
+from radixlm.bench.online_replicas import wait_until_healthy
 
 WORKLOADS = {  # small, so that many interleaved rounds fit on a shared 2-core host
     "gsp": ["num_groups=2", "prompts_per_group=4", "system_prompt_len=256", "question_len=32",
@@ -247,17 +247,8 @@ class serve:
             command += ["--num-threads", str(self.num_threads)]
         self.process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.base = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise SystemExit(f"radixlm serve exited with {self.process.returncode}")
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise SystemExit("radixlm serve did not come up in 300 s")
+        wait_until_healthy(self.process, self.base, 300)
+        return self
 
     def cpu_s(self) -> float:
         """The server process's CPU time so far (user + system, every thread), in seconds."""

@@ -22,14 +22,14 @@ import random
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import httpx
 from agent_workload import SYSTEM_PROMPT, TASKS, TOOLS, tool_result
 from openai import AsyncOpenAI
+
+from radixlm.bench.online_replicas import wait_until_healthy
 
 Record = dict[str, Any]
 
@@ -207,18 +207,7 @@ def serve(speculate: str, dtype: str, threads: int) -> Iterator[str]:
     child = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if child.poll() is not None:
-                raise RuntimeError(f"radixlm serve exited with {child.returncode}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("radixlm serve did not answer in 600 s")
-            time.sleep(0.5)
+        wait_until_healthy(child, url, 600)
         yield url + "/v1"
     finally:
         child.terminate()

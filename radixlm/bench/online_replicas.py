@@ -30,6 +30,24 @@ READY_TIMEOUT_S = 180.0  # a replica loads its model first: minutes on a busy 2-
 STOP_GRACE_S = 10.0
 
 
+def wait_until_healthy(
+    popen: subprocess.Popen[Any], base: str, timeout_s: float = READY_TIMEOUT_S
+) -> None:
+    """Return once `base`/health answers 200 (a `radixlm serve` child started by a benchmark);
+    RuntimeError if the process exits first or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if popen.poll() is not None:
+            raise RuntimeError(f"radixlm serve exited with {popen.returncode}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass  # not listening yet
+        time.sleep(0.5)
+    raise RuntimeError(f"radixlm serve did not answer in {timeout_s:g} s")
+
+
 @dataclass
 class Process:
     name: str
