@@ -149,8 +149,8 @@ def test_kernel_matches_softmax_attention(
 def test_a_request_gets_the_same_bits_alone_and_in_a_batch(
     built: native.Kernels, dtypes: tuple[torch.dtype, torch.dtype]
 ) -> None:
-    """However the kernel splits its tasks (a lone request's query heads go to separate threads,
-    a batch's kv heads do), each request's output is bit for bit the same alone or batched."""
+    """Whichever thread takes a task (a (request, kv head) pair, in a dynamic schedule), each
+    request's output is bit for bit the same alone or batched."""
     q_dtype, kv_dtype = dtypes
     gen = torch.Generator().manual_seed(11)
     k = torch.randn(NUM_SLOTS, 3, 64, generator=gen).to(kv_dtype)

@@ -200,8 +200,8 @@ def test_exact_units_give_each_row_its_lone_bits(
     threads: int,
 ) -> None:
     """The decode kernel directly: rows on a common prefix of many lengths (a chain's), laid out
-    by exact_units (the run read once per unit), equal each row attended alone, however the
-    kernel splits its tasks between threads (a lone row's query heads may each be a task)."""
+    by exact_units (the run read once per unit), equal each row attended alone, on one thread
+    or several (tasks go to threads in a dynamic schedule)."""
     kernels = require_native_kernels(isa)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -43,13 +43,13 @@
 /* Literal head sizes let the compiler unroll and specialise the loops; a bfloat16 pool's tasks
    are built in decode_attention_bf16.c, an int8 pool's in decode_attention_i8.c. */
 static void run_task_dispatch(const Batch *b, const KeySource *src, int64_t u, int64_t head,
-                              int64_t part, int64_t D, int kv_mode)
+                              int64_t D, int kv_mode)
 {
-    if (kv_mode >= 3) decode_task_i8(b, src, u, head, part, D, kv_mode);
-    else if (kv_mode) decode_task_bf16(b, src, u, head, part, D, kv_mode);
-    else if (D == 64) run_task(b, src, u, head, part, 64, KV_F32, 0, 1);
-    else if (D == 128) run_task(b, src, u, head, part, 128, KV_F32, 0, 1);
-    else run_task(b, src, u, head, part, D, KV_F32, 0, 0);
+    if (kv_mode >= 3) decode_task_i8(b, src, u, head, D, kv_mode);
+    else if (kv_mode) decode_task_bf16(b, src, u, head, D, kv_mode);
+    else if (D == 64) run_task(b, src, u, head, 64, KV_F32, 0, 1);
+    else if (D == 128) run_task(b, src, u, head, 128, KV_F32, 0, 1);
+    else run_task(b, src, u, head, D, KV_F32, 0, 0);
 }
 
 int decode_attention(const float *q, const void *k, const void *v, const void *k_scales,
@@ -65,19 +65,16 @@ int decode_attention(const float *q, const void *k, const void *v, const void *k
     if (kv_mode < 0 || kv_mode > 4 || (kv_mode >= 3 && (k_scales == NULL || v_scales == NULL)))
         return 3;
     const int64_t group = num_heads / num_kv_heads, tasks = num_units * num_kv_heads;
-    /* fewer tasks than a few per thread: one per query head where that is allowed (Batch) */
-    const int64_t splits = tasks < 2 * num_threads ? group : 1;
     const Batch batch = {q,     out,    num_heads, group, scale * LOG2E, units,
-                         shared, own, member_row, slots, splits}; /* scores in log2 units */
+                         shared, own, member_row, slots}; /* scores in log2 units */
     const int64_t elem = kv_mode >= 3 ? 1 : kv_mode ? 2 : 4;
     const char *ks = kv_mode >= 3 ? k_scales : NULL, *vs = kv_mode >= 3 ? v_scales : NULL;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t t = 0; t < tasks * splits; t++) {
-        const int64_t head = t / splits % num_kv_heads;
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t head = t % num_kv_heads;
         const KeySource src = {k, v, slot_stride * elem, head * head_stride * elem,
                                ks, vs, scales_slot_stride * 2, head * scales_head_stride * 2};
-        run_task_dispatch(&batch, &src, t / splits / num_kv_heads, head, t % splits, head_dim,
-                          kv_mode);
+        run_task_dispatch(&batch, &src, t / num_kv_heads, head, head_dim, kv_mode);
     }
     return 0;
 }

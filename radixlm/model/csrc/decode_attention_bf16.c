@@ -4,10 +4,10 @@
 #include "decode_task.h"
 
 void decode_task_bf16(const Batch *b, const KeySource *src, int64_t u, int64_t head,
-                      int64_t part, int64_t D, int kv_mode)
+                      int64_t D, int kv_mode)
 {
-    if (kv_mode == 2 && HAS_BF16_DOTS) decode_task_dots(b, src, u, head, part, D);
-    else if (D == 64) run_task(b, src, u, head, part, 64, KV_BF16, 0, 1);
-    else if (D == 128) run_task(b, src, u, head, part, 128, KV_BF16, 0, 1);
-    else run_task(b, src, u, head, part, D, KV_BF16, 0, 0);
+    if (kv_mode == 2 && HAS_BF16_DOTS) decode_task_dots(b, src, u, head, D);
+    else if (D == 64) run_task(b, src, u, head, 64, KV_BF16, 0, 1);
+    else if (D == 128) run_task(b, src, u, head, 128, KV_BF16, 0, 1);
+    else run_task(b, src, u, head, D, KV_BF16, 0, 0);
 }

@@ -5,10 +5,10 @@
 
 #if HAS_BF16_DOTS
 void decode_task_dots(const Batch *b, const KeySource *src, int64_t u, int64_t head,
-                      int64_t part, int64_t D)
+                      int64_t D)
 {
-    if (D == 64) run_task(b, src, u, head, part, 64, KV_BF16, 1, 1);
-    else if (D == 128) run_task(b, src, u, head, part, 128, KV_BF16, 1, 1);
-    else run_task(b, src, u, head, part, D, KV_BF16, 1, 0);
+    if (D == 64) run_task(b, src, u, head, 64, KV_BF16, 1, 1);
+    else if (D == 128) run_task(b, src, u, head, 128, KV_BF16, 1, 1);
+    else run_task(b, src, u, head, D, KV_BF16, 1, 0);
 }
 #endif

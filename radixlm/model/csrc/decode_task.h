@@ -418,26 +418,20 @@ typedef struct {
     int64_t num_heads, group; /* group: query heads per kv head */
     float scale;
     const int64_t *units, *shared, *own, *member_row, *slots;
-    /* 1, or `group` where there are too few (unit, kv head) tasks to keep the threads busy (a
-       lone request): a unit without a shared run is then one task per query head. The row
-       path computes each query row on its own, so a row's bits do not depend on the split. */
-    int64_t splits;
 } Batch;
 
-/* One task: kv head `head` of unit u (with splits > 1, only its query head `part` of the
-   group, or nothing for part > 0 of a unit with a shared run: part 0 takes the whole group),
-   K/V stored as `kind`; dots: bfloat16 dot products on the shared run (and on the row path
-   where `wide`: D is a literal). */
+/* One task: kv head `head` of unit u, all the group's query heads of every member (each K/V
+   row read once for all of them: a lone request's query heads as tasks of their own read its
+   K/V group-times over, 1.4x slower on 2 threads than 3 tasks for 2 threads), K/V stored as
+   `kind`; dots: bfloat16 dot products on the shared run (and on the row path where `wide`: D is
+   a literal). */
 ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int64_t head,
-                            int64_t part, const int64_t D, const int kind, const int dots,
-                            const int wide)
+                            const int64_t D, const int kind, const int dots, const int wide)
 {
     const int64_t first = b->units[u], num_members = b->units[u + 1] - first;
     const int64_t *run = b->shared + 2 * u;
-    const int whole = b->splits == 1 || run[1] > 0;
-    if (whole && part > 0) return;
-    /* each member's query rows: heads head * group + g0 .. + group (whole) or the one head */
-    const int64_t group = whole ? b->group : 1, g0 = whole ? 0 : part, n = num_members * group;
+    /* each member's query rows: heads head * group .. + group */
+    const int64_t group = b->group, n = num_members * group;
     const int64_t rows = run[1] > 0 ? (n + R - 1) / R * R : n; /* the tile's rows: whole groups */
     const int64_t tile_words = run[1] > 0 ? rows * D / 2 + 2 * KB * D : (dots ? rows * D / 2 : 0);
     /* Scratch (4-byte words): qs (rows, D) pre-scaled, acc (rows, D), m, l (rows); for the
@@ -454,7 +448,7 @@ ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int
         limit[i] = i < n ? run[1] - 1 : -1; /* the whole run; padding rows see nothing */
         if (i >= n) continue;
         const int64_t row = b->member_row[first + i / group];
-        const float *qi = b->q + (row * b->num_heads + head * b->group + g0 + i % group) * D;
+        const float *qi = b->q + (row * b->num_heads + head * b->group + i % group) * D;
         for (int64_t d = 0; d < D; d++) qs[i * D + d] = qi[d] * b->scale;
 #if HAS_BF16_DOTS
         if (dots) /* bfloat16 pairs: the tile's and the row path's queries */
@@ -487,7 +481,7 @@ ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int
     }
     for (int64_t i = 0; i < n; i++) {
         const int64_t row = b->member_row[first + i / group];
-        float *o = b->out + (row * b->num_heads + head * b->group + g0 + i % group) * D;
+        float *o = b->out + (row * b->num_heads + head * b->group + i % group) * D;
         const float inv = 1.0f / l[i];
         for (int64_t d = 0; d < D; d++) o[d] = acc[i * D + d] * inv;
     }
@@ -499,10 +493,10 @@ ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int
    with bfloat16 dot products (kv_mode 2 where HAS_BF16_DOTS): decode_attention_dots.c; of an
    int8 pool (kv_mode 3): decode_attention_i8.c. */
 void decode_task_bf16(const Batch *b, const KeySource *src, int64_t u, int64_t head,
-                      int64_t part, int64_t D, int kv_mode);
-void decode_task_i8(const Batch *b, const KeySource *src, int64_t u, int64_t head, int64_t part,
-                    int64_t D, int kv_mode);
+                      int64_t D, int kv_mode);
+void decode_task_i8(const Batch *b, const KeySource *src, int64_t u, int64_t head, int64_t D,
+                    int kv_mode);
 void decode_task_dots(const Batch *b, const KeySource *src, int64_t u, int64_t head,
-                      int64_t part, int64_t D);
+                      int64_t D);
 
 #endif /* RADIXLM_DECODE_TASK_H */
