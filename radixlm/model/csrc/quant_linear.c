@@ -179,13 +179,28 @@ ALWAYS_INLINE __m256i with_plane(__m256i nibbles, const uint8_t *q, const int bi
     return bits == 6 ? _mm256_sub_epi8(v, _mm256_set1_epi8(32)) : v;
 }
 
+/* Independent partial sums per dot: a VNNI dot-product's result feeds the next one, so one
+   accumulator per row is a chain of its latency (4 cycles on Zen 4) and a tile of few rows
+   (decode) would run at a quarter of the unit's rate or less. Integer sums are exact, so the
+   partials add up to the same bits. Without VNNI the chain is the 1-cycle add. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define PARTIALS(rows) ((rows) >= 8 ? 1 : (rows) >= 4 ? 2 : 4)
+#else
+#define PARTIALS(rows) 1
+#endif
+
 /* The int32 dot products (8 columns a vector) of one record's values q with `rows` rows:
    dot[r * sub + h] for the record's scale h. x: the rows' 32 quantized inputs of this block,
-   `stride` bytes apart. */
+   `stride` bytes apart. A step t of the record's loop adds into partial t % P. */
 ALWAYS_INLINE void record_dots(__m256i *dot, const uint8_t *q, const char *x, int64_t stride,
                                const int rows, const int bits, const int sub, const int fast)
 {
-    for (int i = 0; i < rows * sub; i++) dot[i] = _mm256_setzero_si256();
+    const int parts = PARTIALS(rows);
+    __m256i acc[ROW_TILE * 2][4];
+    for (int i = 0; i < rows * sub; i++)
+        for (int p = 0; p < parts; p++) acc[i][p] = _mm256_setzero_si256();
+#define ADD_PAIRS(i, t, w, xv) acc[i][(t) % parts] = DOT_PAIRS(acc[i][(t) % parts], w, xv)
+#define ADD_QUADS(i, t, u, xv) acc[i][(t) % parts] = DOT_QUADS(acc[i][(t) % parts], u, xv)
     const __m256i low4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
     if (!fast && nibble_bits(bits)) {
         for (int c = 0; c < 4; c++) { /* a 32-byte load: inputs 8c .. 8c + 7 of every column */
@@ -205,15 +220,14 @@ ALWAYS_INLINE void record_dots(__m256i *dot, const uint8_t *q, const char *x, in
             const int h = sub == 2 ? c / 2 : 0; /* inputs 8c .. 8c + 7: scale h */
             for (int r = 0; r < rows; r++)
                 for (int u = 0; u < 4; u++) /* int16 pair 4c + u: inputs 8c + 2u, + 1 */
-                    dot[r * sub + h] = DOT_PAIRS(dot[r * sub + h], w[u],
-                                                 bcast32(x + r * stride + 4 * (4 * c + u)));
+                    ADD_PAIRS(r * sub + h, u, w[u], bcast32(x + r * stride + 4 * (4 * c + u)));
         }
     } else if (!fast) { /* 8-bit values, exact: 16 bytes sign-extended per pair of inputs */
         for (int s = 0; s < 16; s++) {
             const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * s)));
             const int h = sub == 2 ? s / 8 : 0;
             for (int r = 0; r < rows; r++)
-                dot[r * sub + h] = DOT_PAIRS(dot[r * sub + h], w, bcast32(x + r * stride + 4 * s));
+                ADD_PAIRS(r * sub + h, s, w, bcast32(x + r * stride + 4 * s));
         }
     } else if (bits == 4 || bits == 5) { /* fast: unsigned values against int8 quads */
         for (int c = 0; c < 4; c++) {
@@ -225,8 +239,8 @@ ALWAYS_INLINE void record_dots(__m256i *dot, const uint8_t *q, const char *x, in
                 hi = with_plane(hi, q, bits, 2 * c + 1);
             }
             for (int r = 0; r < rows; r++) { /* quads 2c, 2c + 1: inputs 8c .. 8c + 7 */
-                dot[r] = DOT_QUADS(dot[r], lo, bcast32(x + r * stride + 8 * c));
-                dot[r] = DOT_QUADS(dot[r], hi, bcast32(x + r * stride + 8 * c + 4));
+                ADD_QUADS(r, 2 * c, lo, bcast32(x + r * stride + 8 * c));
+                ADD_QUADS(r, 2 * c + 1, hi, bcast32(x + r * stride + 8 * c + 4));
             }
         }
     } else if (bits == 6) { /* fast, 6-bit values made signed: |w| against x with w's sign */
@@ -240,8 +254,7 @@ ALWAYS_INLINE void record_dots(__m256i *dot, const uint8_t *q, const char *x, in
                 const int h = sub == 2 ? c / 2 : 0;
                 for (int r = 0; r < rows; r++) {
                     const __m256i xr = bcast32(x + r * stride + 8 * c + 4 * u);
-                    const __m256i xs = _mm256_sign_epi8(xr, w[u]);
-                    dot[r * sub + h] = DOT_QUADS(dot[r * sub + h], aw, xs);
+                    ADD_QUADS(r * sub + h, 2 * c + u, aw, _mm256_sign_epi8(xr, w[u]));
                 }
             }
         }
@@ -250,11 +263,16 @@ ALWAYS_INLINE void record_dots(__m256i *dot, const uint8_t *q, const char *x, in
             const __m256i w = _mm256_loadu_si256((const __m256i *)(q + 32 * s));
             const __m256i aw = _mm256_abs_epi8(w);
             const int h = sub == 2 ? s / 4 : 0;
-            for (int r = 0; r < rows; r++) {
-                const __m256i xs = _mm256_sign_epi8(bcast32(x + r * stride + 4 * s), w);
-                dot[r * sub + h] = DOT_QUADS(dot[r * sub + h], aw, xs);
-            }
+            for (int r = 0; r < rows; r++)
+                ADD_QUADS(r * sub + h, s, aw, _mm256_sign_epi8(bcast32(x + r * stride + 4 * s), w));
         }
+    }
+#undef ADD_PAIRS
+#undef ADD_QUADS
+    for (int i = 0; i < rows * sub; i++) {
+        __m256i sum = acc[i][0];
+        for (int p = 1; p < parts; p++) sum = _mm256_add_epi32(sum, acc[i][p]);
+        dot[i] = sum;
     }
 }
 
