@@ -46,6 +46,15 @@ ALWAYS_INLINE void prefetch_row(const char *k_row, const char *v_row, int64_t ro
     }
 }
 
+/* Whether K row j directly follows row j - 1 in memory: a run of consecutive slots, which the
+   hardware prefetchers stream on their own. Requests for those rows as well only crowd the
+   miss buffers (measured 1.2x slower on 8 requests of 1,200 consecutive slots, no faster on
+   scattered ones), so the software prefetches go to the rows that start somewhere new. */
+ALWAYS_INLINE int in_run(const char *const *k_rows, int64_t j, int64_t row_bytes)
+{
+    return j > 0 && k_rows[j] == k_rows[j - 1] + row_bytes;
+}
+
 #define MAX_VECTORS (256 / VL) /* head_dim up to 256 */
 
 /* Elements d .. d+VL of a K/V row as one float32 vector (bfloat16 widened by a shift; int8
@@ -77,7 +86,7 @@ ALWAYS_INLINE void update_rows(const char *const *k_rows, const char *const *v_r
         for (; j + VL <= count; j += VL) { /* s = q K^T, VL keys summed at once (sums_of) */
             vf dots[VL];
             for (int t = 0; t < VL; t++) {
-                if (i == 0 && j + t < next_count) /* the next chunk's rows, one key at a time */
+                if (i == 0 && j + t < next_count && !in_run(next_k, j + t, next_bytes))
                     prefetch_row(next_k[j + t], next_v[j + t], next_bytes,
                                  next_ks ? next_ks[j + t] : NULL, next_ks ? next_vs[j + t] : NULL);
                 dots[t] = qv[0] * load_kv(k_rows[j + t], 0, kind);
@@ -87,7 +96,7 @@ ALWAYS_INLINE void update_rows(const char *const *k_rows, const char *const *v_r
             storev(s + j, sums_of(dots));
         }
         for (; j < count; j++) { /* the chunk's last keys, one at a time */
-            if (i == 0 && j < next_count)
+            if (i == 0 && j < next_count && !in_run(next_k, j, next_bytes))
                 prefetch_row(next_k[j], next_v[j], next_bytes, next_ks ? next_ks[j] : NULL,
                              next_ks ? next_vs[j] : NULL);
             vf dot = qv[0] * load_kv(k_rows[j], 0, kind);
@@ -371,6 +380,7 @@ ALWAYS_INLINE void attend_rows(const KeySource *src, const float *qs, const void
         }
         const int64_t next = key0 + 16, next_count = len - next < 16 ? len - next : 16;
         for (int64_t j = 0; j < next_count; j++) {
+            if (slots[next + j] == slots[next + j - 1] + 1) continue; /* in a run (in_run) */
             const int64_t at = slots[next + j] * src->row_bytes + src->head_offset;
             const int64_t sat = kind == KV_I8 ? scale_offset(src, slots[next + j]) : 0;
             prefetch_row(src->k + at, src->v + at, row_bytes, kind == KV_I8 ? src->ks + sat : NULL,
