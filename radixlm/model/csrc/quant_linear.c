@@ -125,9 +125,11 @@ typedef struct {
 #if defined(__AVX2__)
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define HAS_VNNI 1
 #define DOT_PAIRS(acc, w, x) _mm256_dpwssd_epi32(acc, w, x)
 #define DOT_QUADS(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
 #else
+#define HAS_VNNI 0
 #define DOT_PAIRS(acc, w, x) _mm256_add_epi32(acc, _mm256_madd_epi16(w, x))
 #define DOT_QUADS(acc, u, s)                                                                     \
     _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
@@ -183,7 +185,7 @@ ALWAYS_INLINE __m256i with_plane(__m256i nibbles, const uint8_t *q, const int bi
    accumulator per row is a chain of its latency (4 cycles on Zen 4) and a tile of few rows
    (decode) would run at a quarter of the unit's rate or less. Integer sums are exact, so the
    partials add up to the same bits. Without VNNI the chain is the 1-cycle add. */
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if HAS_VNNI
 #define PARTIALS(rows) ((rows) >= 8 ? 1 : (rows) >= 4 ? 2 : 4)
 #else
 #define PARTIALS(rows) 1
@@ -202,6 +204,10 @@ ALWAYS_INLINE void record_dots(__m256i *dot, const uint8_t *q, const char *x, in
 #define ADD_PAIRS(i, t, w, xv) acc[i][(t) % parts] = DOT_PAIRS(acc[i][(t) % parts], w, xv)
 #define ADD_QUADS(i, t, u, xv) acc[i][(t) % parts] = DOT_QUADS(acc[i][(t) % parts], u, xv)
     const __m256i low4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+#if !HAS_VNNI
+    __m256i pairs[ROW_TILE]; /* int16 sums of maddubs pairs (the fast 4/5-bit path) */
+    for (int r = 0; r < rows; r++) pairs[r] = zero;
+#endif
     if (!fast && nibble_bits(bits)) {
         for (int c = 0; c < 4; c++) { /* a 32-byte load: inputs 8c .. 8c + 7 of every column */
             const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
@@ -238,10 +244,30 @@ ALWAYS_INLINE void record_dots(__m256i *dot, const uint8_t *q, const char *x, in
                 lo = with_plane(lo, q, bits, 2 * c);
                 hi = with_plane(hi, q, bits, 2 * c + 1);
             }
+#if HAS_VNNI
             for (int r = 0; r < rows; r++) { /* quads 2c, 2c + 1: inputs 8c .. 8c + 7 */
                 ADD_QUADS(r, 2 * c, lo, bcast32(x + r * stride + 8 * c));
                 ADD_QUADS(r, 2 * c + 1, hi, bcast32(x + r * stride + 8 * c + 4));
             }
+#else
+            /* Without VNNI a quad dot is three instructions (maddubs, madd by ones, add). The
+               maddubs pairs are summed in int16 instead, and widened once per flush: a pair is
+               at most 2 x 31 x 127 = 7,874 (5-bit) or 3,810 (4-bit), so 4 pairs (5-bit: one
+               flush per 2 c) or 8 (4-bit: one per record) stay inside int16. Exact sums: the
+               same bits. */
+            for (int r = 0; r < rows; r++) {
+                pairs[r] = _mm256_add_epi16(
+                    pairs[r], _mm256_maddubs_epi16(lo, bcast32(x + r * stride + 8 * c)));
+                pairs[r] = _mm256_add_epi16(
+                    pairs[r], _mm256_maddubs_epi16(hi, bcast32(x + r * stride + 8 * c + 4)));
+            }
+            if (c == 3 || (bits == 5 && c == 1))
+                for (int r = 0; r < rows; r++) {
+                    acc[r][0] = _mm256_add_epi32(acc[r][0],
+                                                 _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1)));
+                    pairs[r] = _mm256_setzero_si256();
+                }
+#endif
         }
     } else if (bits == 6) { /* fast, 6-bit values made signed: |w| against x with w's sign */
         for (int c = 0; c < 4; c++) {
