@@ -28,7 +28,9 @@
 
 #include "flash_tile.h"
 
-#define TILE 64 /* new tokens per task */
+#define TILE 64    /* new tokens per task, at most */
+#define MIN_TILE 8 /* at least (but a shorter extend): below it a key block's staging is shared
+                      by too few rows */
 
 typedef struct {
     const float *q;
@@ -131,25 +133,32 @@ int extend_attention(const float *q, const void *k, const void *v, const void *k
                          scales_slot_stride * 2, scales_head_stride * 2, scale * LOG2E, spans,
                          slots};
     /* scores in log2 units: the softmax takes exp2 (flash_tile.h) */
-    int64_t num_tasks = 0;
-    for (int64_t s = 0; s < num_spans; s++) num_tasks += (spans[4 * s + 1] + TILE - 1) / TILE;
-    num_tasks *= num_kv_heads;
+    /* A short extend is few tasks: 28 new tokens on 3 kv heads are 3, and on 2 threads one
+       does two thirds of the work. The tile halves until there are 2 tasks a thread (or it is
+       MIN_TILE): each row's arithmetic is its own whatever tile holds it. */
+    int64_t tile = TILE, num_tiles = 0;
+    for (;; tile /= 2) {
+        num_tiles = 0;
+        for (int64_t s = 0; s < num_spans; s++) num_tiles += (spans[4 * s + 1] + tile - 1) / tile;
+        if (num_tiles * num_kv_heads >= 2 * num_threads || tile / 2 < MIN_TILE) break;
+    }
+    const int64_t num_tasks = num_tiles * num_kv_heads;
     int64_t *tasks = malloc((size_t)(num_tasks * 3) * sizeof(int64_t)); /* (span, head, tile) */
     if (tasks == NULL) return 3;
     int64_t t = 0;
     for (int64_t s = 0; s < num_spans; s++)
-        for (int64_t tile = (spans[4 * s + 1] + TILE - 1) / TILE - 1; tile >= 0; tile--)
+        for (int64_t i = (spans[4 * s + 1] + tile - 1) / tile - 1; i >= 0; i--)
             for (int64_t h = 0; h < num_kv_heads; h++) { /* longest (last) tiles first */
                 tasks[3 * t] = s;
                 tasks[3 * t + 1] = h;
-                tasks[3 * t + 2] = tile;
+                tasks[3 * t + 2] = i;
                 t++;
             }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t i = 0; i < num_tasks; i++) {
-        const int64_t s = tasks[3 * i], tok0 = tasks[3 * i + 2] * TILE;
+        const int64_t s = tasks[3 * i], tok0 = tasks[3 * i + 2] * tile;
         const int64_t extend_len = spans[4 * s + 1];
-        const int64_t tok1 = tok0 + TILE < extend_len ? tok0 + TILE : extend_len;
+        const int64_t tok1 = tok0 + tile < extend_len ? tok0 + tile : extend_len;
         run_task_dispatch(&batch, s, tasks[3 * i + 1], tok0, tok1, head_dim, kv_mode);
     }
     free(tasks);
