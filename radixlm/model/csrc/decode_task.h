@@ -50,9 +50,14 @@ ALWAYS_INLINE void prefetch_row(const char *k_row, const char *v_row, int64_t ro
    hardware prefetchers stream on their own. Requests for those rows as well only crowd the
    miss buffers (measured 1.2x slower on 8 requests of 1,200 consecutive slots, no faster on
    scattered ones), so the software prefetches go to the rows that start somewhere new. */
+ALWAYS_INLINE int follows(const char *k_row, const char *prev_k_row, int64_t row_bytes)
+{
+    return k_row == prev_k_row + row_bytes;
+}
+
 ALWAYS_INLINE int in_run(const char *const *k_rows, int64_t j, int64_t row_bytes)
 {
-    return j > 0 && k_rows[j] == k_rows[j - 1] + row_bytes;
+    return j > 0 && follows(k_rows[j], k_rows[j - 1], row_bytes);
 }
 
 #define MAX_VECTORS (256 / VL) /* head_dim up to 256 */
@@ -380,8 +385,9 @@ ALWAYS_INLINE void attend_rows(const KeySource *src, const float *qs, const void
         }
         const int64_t next = key0 + 16, next_count = len - next < 16 ? len - next : 16;
         for (int64_t j = 0; j < next_count; j++) {
-            if (slots[next + j] == slots[next + j - 1] + 1) continue; /* in a run (in_run) */
             const int64_t at = slots[next + j] * src->row_bytes + src->head_offset;
+            const int64_t prev = slots[next + j - 1] * src->row_bytes + src->head_offset;
+            if (follows(src->k + at, src->k + prev, row_bytes)) continue; /* in a run */
             const int64_t sat = kind == KV_I8 ? scale_offset(src, slots[next + j]) : 0;
             prefetch_row(src->k + at, src->v + at, row_bytes, kind == KV_I8 ? src->ks + sat : NULL,
                          kind == KV_I8 ? src->vs + sat : NULL);

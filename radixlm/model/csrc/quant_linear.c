@@ -185,8 +185,9 @@ ALWAYS_INLINE __m256i with_plane(__m256i nibbles, const uint8_t *q, const int bi
    accumulator per row is a chain of its latency (4 cycles on Zen 4) and a tile of few rows
    (decode) would run at a quarter of the unit's rate or less. Integer sums are exact, so the
    partials add up to the same bits. Without VNNI the chain is the 1-cycle add. */
+#define MAX_PARTIALS 4
 #if HAS_VNNI
-#define PARTIALS(rows) ((rows) >= 8 ? 1 : (rows) >= 4 ? 2 : 4)
+#define PARTIALS(rows) ((rows) >= 8 ? 1 : (rows) >= 4 ? 2 : MAX_PARTIALS)
 #else
 #define PARTIALS(rows) 1
 #endif
@@ -198,7 +199,7 @@ ALWAYS_INLINE void record_dots(__m256i *dot, const uint8_t *q, const char *x, in
                                const int rows, const int bits, const int sub, const int fast)
 {
     const int parts = PARTIALS(rows);
-    __m256i acc[ROW_TILE * 2][4];
+    __m256i acc[ROW_TILE * 2][MAX_PARTIALS];
     for (int i = 0; i < rows * sub; i++)
         for (int p = 0; p < parts; p++) acc[i][p] = _mm256_setzero_si256();
 #define ADD_PAIRS(i, t, w, xv) acc[i][(t) % parts] = DOT_PAIRS(acc[i][(t) % parts], w, xv)
