@@ -89,15 +89,19 @@ ALWAYS_INLINE void update_rows(const char *const *k_rows, const char *const *v_r
         for (int64_t c = 0; c < nv; c++) qv[c] = loadv(q + i * D + VL * c);
         int64_t j = 0;
         for (; j + VL <= count; j += VL) { /* s = q K^T, VL keys summed at once (sums_of) */
+            if (i == 0)
+                for (int t = 0; t < VL; t++)
+                    if (j + t < next_count && !in_run(next_k, j + t, next_bytes))
+                        prefetch_row(next_k[j + t], next_v[j + t], next_bytes,
+                                     next_ks ? next_ks[j + t] : NULL,
+                                     next_ks ? next_vs[j + t] : NULL);
+            /* the VL keys' dot products side by side, element block c outermost: VL independent
+               chains of fused multiply-adds, where one key's chain alone would wait out each
+               one's latency (4x slower); each key still sums c in order, so the same bits */
             vf dots[VL];
-            for (int t = 0; t < VL; t++) {
-                if (i == 0 && j + t < next_count && !in_run(next_k, j + t, next_bytes))
-                    prefetch_row(next_k[j + t], next_v[j + t], next_bytes,
-                                 next_ks ? next_ks[j + t] : NULL, next_ks ? next_vs[j + t] : NULL);
-                dots[t] = qv[0] * load_kv(k_rows[j + t], 0, kind);
-                for (int64_t c = 1; c < nv; c++)
-                    dots[t] += qv[c] * load_kv(k_rows[j + t], VL * c, kind);
-            }
+            for (int t = 0; t < VL; t++) dots[t] = qv[0] * load_kv(k_rows[j + t], 0, kind);
+            for (int64_t c = 1; c < nv; c++)
+                for (int t = 0; t < VL; t++) dots[t] += qv[c] * load_kv(k_rows[j + t], VL * c, kind);
             storev(s + j, sums_of(dots));
         }
         for (; j < count; j++) { /* the chunk's last keys, one at a time */
@@ -108,13 +112,24 @@ ALWAYS_INLINE void update_rows(const char *const *k_rows, const char *const *v_r
             for (int64_t c = 1; c < nv; c++) dot += qv[c] * load_kv(k_rows[j], VL * c, kind);
             s[j] = hsum(dot);
         }
-        float top = m[i];
-        for (int64_t j = 0; j < count; j++) top = s[j] > top ? s[j] : top;
-        float sum = 0.0f;
+        float top = m[i], sum = 0.0f;
+        if (count == CHUNK) { /* a whole chunk in vectors: max, 2^(s - top) and their sum */
+            vf most = splat(top), total = (vf){0};
+            for (int64_t c = 0; c < CHUNK; c += VL) most = maxv(most, loadv(s + c));
+            top = hmax(most);
+            for (int64_t c = 0; c < CHUNK; c += VL) {
+                const vf e = exp2v(loadv(s + c) - top);
+                storev(s + c, e);
+                total += e;
+            }
+            sum = hsum(total);
+        } else { /* the sequence's last chunk */
+            for (int64_t j = 0; j < count; j++) top = s[j] > top ? s[j] : top;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < count; j++) {
-            s[j] = exp2f(s[j] - top);
-            sum += s[j];
+            for (int64_t j = 0; j < count; j++) {
+                s[j] = exp2f(s[j] - top);
+                sum += s[j];
+            }
         }
         const float alpha = exp2f(m[i] - top); /* 0 on the first chunk */
         l[i] = l[i] * alpha + sum;
