@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from radixlm.model import native, native_abi, native_build
@@ -73,7 +73,8 @@ DecodeBatch = tuple[int, int, int, list[torch.Tensor]]  # heads, kv heads, head_
 
 @st.composite
 def decode_batches(draw: st.DrawFn) -> DecodeBatch:
-    """(heads, kv_heads, head_dim, slot lists) with some lists sharing a leading run."""
+    """(heads, kv_heads, head_dim, slot lists) with some lists sharing a leading run; runs and
+    lists up to past a few of the kernel's key segments (SEGMENT, 256 keys)."""
     num_kv_heads = draw(st.sampled_from([1, 2, 3]))
     num_heads = num_kv_heads * draw(st.sampled_from([1, 3, 4]))
     head_dim = draw(st.sampled_from([64, 16, 32, 128, 80]))
@@ -83,14 +84,15 @@ def decode_batches(draw: st.DrawFn) -> DecodeBatch:
 
     def fresh(n: int) -> torch.Tensor:
         nonlocal taken
+        assume(taken + n <= NUM_SLOTS)
         taken += n
         return order[taken - n : taken]
 
     slot_lists = []
     for _ in range(draw(st.integers(1, 4))):  # groups on a common run (a group of 1 = alone)
-        run = fresh(draw(st.sampled_from([0, 1, 31, 32, 33, 64, 100])))
+        run = fresh(draw(st.sampled_from([0, 1, 31, 32, 33, 64, 100, 256, 300, 600])))
         for _ in range(draw(st.integers(1, 5))):
-            own = fresh(draw(st.integers(1, 70)))
+            own = fresh(draw(st.sampled_from([draw(st.integers(1, 70)), 255, 257, 520])))
             slot_lists.append(torch.cat([run, own]))
     return num_heads, num_kv_heads, head_dim, slot_lists
 

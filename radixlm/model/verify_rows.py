@@ -14,7 +14,8 @@ holds each rule on every kernel variant the CPU executes):
               bits depend on the rows beside it.
   attention   the extend kernel's tiles over query rows are not the decode kernel's arithmetic,
               so a draft is verified as decode rows (ForwardBatch.build(verify=...)). In the
-              decode kernel (csrc/decode_task.h) each query row walks its keys in chunks with an
+              decode kernel (csrc/decode_task.h) each query row walks its keys in segments of
+              256 by position in its sequence (merged in order), each in chunks with an
               online-softmax update per chunk: 16 keys (attend_rows, AVX-512) or KEY_CHUNK
               (attend_keys). A unit of fewer than TILE_MIN_ROWS query rows runs row by row, each
               row's arithmetic its own; from TILE_MIN_ROWS rows a unit's shared run goes through

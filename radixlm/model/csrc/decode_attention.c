@@ -7,11 +7,15 @@
    member's queries, the way a radix tree would want it. Decode on a CPU is bound by memory
    traffic, so both cut the time attention takes.
 
-   Work is split into tasks = (unit, kv head); tasks never share an output row, so they run in
+   Work is split into tasks = (unit, key segment, kv head): a segment is SEGMENT keys of each
+   member's sequence by position (shared run first, then its own slots), so a long request's keys
+   are shared out among the threads. Tasks never share an output row or a partial, so they run in
    parallel without locks (OpenMP; the process already holds PyTorch's libgomp, which this library
    resolves to, so both share one thread pool). Each task keeps, per query row, the running max m,
    the running sum l and the unnormalised output acc (online softmax), and walks its keys in
-   chunks: the shared run first (all members' queries), then each member's own slots.
+   chunks: the shared run first (all members' queries), then each member's own slots. A row
+   with one segment writes its output; longer ones leave (m, l, acc) per segment, merged in
+   segment order once every task is done (merge_segments).
 
    The shared run of a unit is many query rows against the same keys, the shape prefill has:
    from TILE_MIN_ROWS rows up it goes through the extend kernel's register tiles
@@ -42,14 +46,37 @@
 
 /* Literal head sizes let the compiler unroll and specialise the loops; a bfloat16 pool's tasks
    are built in decode_attention_bf16.c, an int8 pool's in decode_attention_i8.c. */
-static void run_task_dispatch(const Batch *b, const KeySource *src, int64_t u, int64_t head,
-                              int64_t D, int kv_mode)
+static void run_task_dispatch(const Batch *b, const KeySource *src, int64_t u, int64_t seg,
+                              int64_t head, int64_t D, int kv_mode)
 {
-    if (kv_mode >= 3) decode_task_i8(b, src, u, head, D, kv_mode);
-    else if (kv_mode) decode_task_bf16(b, src, u, head, D, kv_mode);
-    else if (D == 64) run_task(b, src, u, head, 64, KV_F32, 0, 1);
-    else if (D == 128) run_task(b, src, u, head, 128, KV_F32, 0, 1);
-    else run_task(b, src, u, head, D, KV_F32, 0, 0);
+    if (kv_mode >= 3) decode_task_i8(b, src, u, seg, head, D, kv_mode);
+    else if (kv_mode) decode_task_bf16(b, src, u, seg, head, D, kv_mode);
+    else if (D == 64) run_task(b, src, u, seg, head, 64, KV_F32, 0, 1);
+    else if (D == 128) run_task(b, src, u, seg, head, 128, KV_F32, 0, 1);
+    else run_task(b, src, u, seg, head, D, KV_F32, 0, 0);
+}
+
+/* The unit member r belongs to: units[u] <= r < units[u + 1] (a binary search). */
+static int64_t unit_of(const Batch *b, int64_t num_units, int64_t r)
+{
+    int64_t lo = 0, hi = num_units - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (b->units[mid] <= r) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* Segments of unit u: those of its longest member (at least one). */
+static int64_t unit_segments(const Batch *b, int64_t u)
+{
+    int64_t longest = 0;
+    for (int64_t r = b->units[u]; r < b->units[u + 1]; r++) {
+        const int64_t len = member_len(b, u, r);
+        longest = len > longest ? len : longest;
+    }
+    return longest > SEGMENT ? (longest + SEGMENT - 1) / SEGMENT : 1;
 }
 
 int decode_attention(const float *q, const void *k, const void *v, const void *k_scales,
@@ -64,17 +91,57 @@ int decode_attention(const float *q, const void *k, const void *v, const void *k
     if (head_dim % 16 != 0 || head_dim > 256) return 2; /* whole vectors */
     if (kv_mode < 0 || kv_mode > 4 || (kv_mode >= 3 && (k_scales == NULL || v_scales == NULL)))
         return 3;
-    const int64_t group = num_heads / num_kv_heads, tasks = num_units * num_kv_heads;
-    const Batch batch = {q,     out,    num_heads, group, scale * LOG2E, units,
-                         shared, own, member_row, slots}; /* scores in log2 units */
+    const int64_t group = num_heads / num_kv_heads, num_rows = units[num_units];
+    Batch batch = {q,      out, num_heads, group, scale * LOG2E, units, shared, own,
+                   member_row, slots, 1, NULL, NULL}; /* scores in log2 units */
+    /* the tasks (unit, segment), unit by unit; their partials where a unit has several */
+    int64_t *work = malloc((size_t)(2 * num_units + 1) * sizeof(int64_t)), num_work = 0;
+    if (work == NULL) return 100;
+    for (int64_t u = 0; u < num_units; u++) {
+        const int64_t segments = unit_segments(&batch, u);
+        batch.max_segments = segments > batch.max_segments ? segments : batch.max_segments;
+        work[2 * u] = num_work, work[2 * u + 1] = segments, num_work += segments;
+    }
+    int64_t *task_unit = malloc((size_t)num_work * sizeof(int64_t));
+    if (batch.max_segments > 1) {
+        const size_t parts = (size_t)(num_rows * num_heads * batch.max_segments);
+        batch.part_ml = malloc(parts * 2 * sizeof(float));
+        batch.part_acc = malloc(parts * (size_t)head_dim * sizeof(float));
+    }
+    int status = 0;
+    if (task_unit == NULL || (batch.max_segments > 1 && (!batch.part_ml || !batch.part_acc))) {
+        status = 100;
+        goto done;
+    }
+    for (int64_t u = 0; u < num_units; u++)
+        for (int64_t s = 0; s < work[2 * u + 1]; s++) task_unit[work[2 * u] + s] = u;
     const int64_t elem = kv_mode >= 3 ? 1 : kv_mode ? 2 : 4;
     const char *ks = kv_mode >= 3 ? k_scales : NULL, *vs = kv_mode >= 3 ? v_scales : NULL;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t t = 0; t < tasks; t++) {
-        const int64_t head = t % num_kv_heads;
-        const KeySource src = {k, v, slot_stride * elem, head * head_stride * elem,
-                               ks, vs, scales_slot_stride * 2, head * scales_head_stride * 2};
-        run_task_dispatch(&batch, &src, t / num_kv_heads, head, head_dim, kv_mode);
+    const Batch *b = &batch;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < num_work * num_kv_heads; t++) {
+            const int64_t head = t % num_kv_heads, w = t / num_kv_heads, u = task_unit[w];
+            const KeySource src = {k, v, slot_stride * elem, head * head_stride * elem,
+                                   ks, vs, scales_slot_stride * 2, head * scales_head_stride * 2};
+            run_task_dispatch(b, &src, u, w - work[2 * u], head, head_dim, kv_mode);
+        }
+        if (b->max_segments > 1) { /* after the loop's barrier: every segment is in */
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < num_rows * num_heads; i++) {
+                const int64_t r = i / num_heads, u = unit_of(b, num_units, r);
+                const int64_t len = member_len(b, u, r);
+                if (len > SEGMENT)
+                    merge_segments(b, member_row[r], i % num_heads, (len + SEGMENT - 1) / SEGMENT,
+                                   head_dim);
+            }
+        }
     }
-    return 0;
+done:
+    free(batch.part_acc);
+    free(batch.part_ml);
+    free(task_unit);
+    free(work);
+    return status;
 }

@@ -3,11 +3,11 @@
    where the build has them) is built in decode_attention_dots.c. */
 #include "decode_task.h"
 
-void decode_task_bf16(const Batch *b, const KeySource *src, int64_t u, int64_t head,
-                      int64_t D, int kv_mode)
+void decode_task_bf16(const Batch *b, const KeySource *src, int64_t u, int64_t seg,
+                      int64_t head, int64_t D, int kv_mode)
 {
-    if (kv_mode == 2 && HAS_BF16_DOTS) decode_task_dots(b, src, u, head, D);
-    else if (D == 64) run_task(b, src, u, head, 64, KV_BF16, 0, 1);
-    else if (D == 128) run_task(b, src, u, head, 128, KV_BF16, 0, 1);
-    else run_task(b, src, u, head, D, KV_BF16, 0, 0);
+    if (kv_mode == 2 && HAS_BF16_DOTS) decode_task_dots(b, src, u, seg, head, D);
+    else if (D == 64) run_task(b, src, u, seg, head, 64, KV_BF16, 0, 1);
+    else if (D == 128) run_task(b, src, u, seg, head, 128, KV_BF16, 0, 1);
+    else run_task(b, src, u, seg, head, D, KV_BF16, 0, 0);
 }

@@ -4,11 +4,11 @@
 #include "decode_task.h"
 
 #if HAS_BF16_DOTS
-void decode_task_dots(const Batch *b, const KeySource *src, int64_t u, int64_t head,
-                      int64_t D)
+void decode_task_dots(const Batch *b, const KeySource *src, int64_t u, int64_t seg,
+                      int64_t head, int64_t D)
 {
-    if (D == 64) run_task(b, src, u, head, 64, KV_BF16, 1, 1);
-    else if (D == 128) run_task(b, src, u, head, 128, KV_BF16, 1, 1);
-    else run_task(b, src, u, head, D, KV_BF16, 1, 0);
+    if (D == 64) run_task(b, src, u, seg, head, 64, KV_BF16, 1, 1);
+    else if (D == 128) run_task(b, src, u, seg, head, 128, KV_BF16, 1, 1);
+    else run_task(b, src, u, seg, head, D, KV_BF16, 1, 0);
 }
 #endif

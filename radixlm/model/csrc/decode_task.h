@@ -449,34 +449,59 @@ typedef struct {
     int64_t num_heads, group; /* group: query heads per kv head */
     float scale;
     const int64_t *units, *shared, *own, *member_row, *slots;
+    /* A member's keys are attended in segments of SEGMENT keys by their position in its
+       sequence, each a task of its own (decode_attention.c); where a member has more than one,
+       each task leaves its (m, l, acc) per query head here, [out row][segment], for
+       merge_segments: part_ml 2 floats, part_acc D floats per entry. */
+    int64_t max_segments;
+    float *part_ml, *part_acc;
 } Batch;
 
-/* One task: kv head `head` of unit u, all the group's query heads of every member (each K/V
-   row read once for all of them: a lone request's query heads as tasks of their own read its
-   K/V group-times over, 1.4x slower on 2 threads than 3 tasks for 2 threads), K/V stored as
-   `kind`; dots: bfloat16 dot products on the shared run (and on the row path where `wide`: D is
-   a literal). */
-ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int64_t head,
-                            const int64_t D, const int kind, const int dots, const int wide)
+#define SEGMENT 256 /* keys per segment: a multiple of CHUNK, so segments never split a chunk */
+
+/* Keys of member r (of unit u) in all: its shared run and its own slots. */
+ALWAYS_INLINE int64_t member_len(const Batch *b, int64_t u, int64_t r)
+{
+    return b->shared[2 * u + 1] + b->own[2 * r + 1];
+}
+
+/* One task: kv head `head` of unit u, keys [seg * SEGMENT, (seg + 1) * SEGMENT) of each
+   member's sequence (shared run, then its own slots), all the group's query heads of every
+   member (each K/V row read once for all of them: a lone request's query heads as tasks of
+   their own read its K/V group-times over, 1.4x slower on 2 threads than 3 tasks for 2
+   threads), K/V stored as `kind`; dots: bfloat16 dot products on the shared run (and on the row
+   path where `wide`: D is a literal).
+
+   Segments are cut by a key's position in its member's sequence, never by the batch, so a row
+   walks the same chunks and merges the same segments alone or beside others (the bits a
+   verify chain relies on: model/verify_rows.py); they let the threads share a long sequence's
+   keys, where tasks per (unit, kv head) left one thread two heads' work and the other one. */
+ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int64_t seg,
+                            int64_t head, const int64_t D, const int kind, const int dots,
+                            const int wide)
 {
     const int64_t first = b->units[u], num_members = b->units[u + 1] - first;
     const int64_t *run = b->shared + 2 * u;
+    const int64_t lo = seg * SEGMENT, hi = lo + SEGMENT;
+    /* the shared run's keys in this segment: [run_lo, run_lo + run_len) */
+    const int64_t run_lo = lo < run[1] ? lo : run[1];
+    const int64_t run_len = (hi < run[1] ? hi : run[1]) - run_lo;
     /* each member's query rows: heads head * group .. + group */
     const int64_t group = b->group, n = num_members * group;
-    const int64_t rows = run[1] > 0 ? (n + R - 1) / R * R : n; /* the tile's rows: whole groups */
-    const int64_t tile_words = run[1] > 0 ? rows * D / 2 + 2 * KB * D : (dots ? rows * D / 2 : 0);
+    const int64_t rows = run_len > 0 ? (n + R - 1) / R * R : n; /* the tile's rows: whole groups */
+    const int64_t tile_words = run_len > 0 ? rows * D / 2 + 2 * KB * D : (dots ? rows * D / 2 : 0);
     /* Scratch (4-byte words): qs (rows, D) pre-scaled, acc (rows, D), m, l (rows); for the
        shared run's tile: qp (rows, D/2) bfloat16 pairs, kt, vb (KB, D); limit (rows) int64. */
     float *qs = calloc((size_t)(rows * (2 * D + 2) + tile_words), sizeof(float));
     int64_t *limit = malloc((size_t)rows * sizeof(int64_t));
     if (qs == NULL || limit == NULL) abort(); /* a few KB; nothing sensible to do without it */
     float *acc = qs + rows * D, *m = acc + rows * D, *l = m + rows;
-    /* the tile's scratch exists only for a unit with a shared run */
-    float *qp = tile_words ? l + rows : NULL, *kt = run[1] > 0 ? qp + rows * D / 2 : NULL;
-    float *vb = run[1] > 0 ? kt + KB * D : NULL;
+    /* the tile's scratch exists only for a unit with a shared run in this segment */
+    float *qp = tile_words ? l + rows : NULL, *kt = run_len > 0 ? qp + rows * D / 2 : NULL;
+    float *vb = run_len > 0 ? kt + KB * D : NULL;
     for (int64_t i = 0; i < rows; i++) {
         m[i] = NO_SCORE;
-        limit[i] = i < n ? run[1] - 1 : -1; /* the whole run; padding rows see nothing */
+        limit[i] = i < n ? run_len - 1 : -1; /* the whole run; padding rows see nothing */
         if (i >= n) continue;
         const int64_t row = b->member_row[first + i / group];
         const float *qi = b->q + (row * b->num_heads + head * b->group + i % group) * D;
@@ -488,46 +513,81 @@ ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int
                                                                               << 16;
 #endif
     }
-    if (run[1] > 0) {
+    if (run_len > 0) {
         const Tile tile = {rows, limit, acc, m, l};
-        const int64_t *slots = b->slots + run[0];
+        const int64_t *slots = b->slots + run[0] + run_lo;
         if (n >= TILE_MIN_ROWS) {
 #if HAS_BF16_DOTS
             if (dots && kind == KV_BF16) /* int8 runs take the float32 tiles */
-                tile_attend_bf16(&tile, (const pair_t *)qp, b->scale, src, slots, run[1],
+                tile_attend_bf16(&tile, (const pair_t *)qp, b->scale, src, slots, run_len,
                                  (pair_t *)kt, (pair_t *)vb, D);
             else
 #endif
-                tile_attend(&tile, qs, src, slots, run[1], kt, vb, D, kind);
+                tile_attend(&tile, qs, src, slots, run_len, kt, vb, D, kind);
         } else { /* few rows: row by row, each K/V row still loaded once for all */
-            ATTEND_ROWS(src, qs, qp, b->scale, n, group, slots, run[1], acc, m, l, D, kind, dots,
+            ATTEND_ROWS(src, qs, qp, b->scale, n, group, slots, run_len, acc, m, l, D, kind, dots,
                         wide);
         }
     }
-    for (int64_t r = 0; r < num_members; r++) {
+    for (int64_t r = 0; r < num_members; r++) { /* own slots at positions run[1] .. */
         const int64_t *mine = b->own + 2 * (first + r), at = r * group;
+        const int64_t from = (lo > run[1] ? lo : run[1]) - run[1];
+        const int64_t to = (hi < run[1] + mine[1] ? hi : run[1] + mine[1]) - run[1];
+        if (to <= from) continue;
         ATTEND_ROWS(src, qs + at * D, dots ? (const char *)qp + at * D * 2 : NULL, b->scale, group,
-                    group, b->slots + mine[0], mine[1], acc + at * D, m + at, l + at, D, kind, dots,
-                    wide);
+                    group, b->slots + mine[0] + from, to - from, acc + at * D, m + at, l + at, D,
+                    kind, dots, wide);
     }
     for (int64_t i = 0; i < n; i++) {
+        const int64_t len = member_len(b, u, first + i / group);
+        if (len <= lo) continue; /* no keys of this member in the segment */
         const int64_t row = b->member_row[first + i / group];
-        float *o = b->out + (row * b->num_heads + head * b->group + i % group) * D;
-        const float inv = 1.0f / l[i];
-        for (int64_t d = 0; d < D; d++) o[d] = acc[i * D + d] * inv;
+        const int64_t at = row * b->num_heads + head * b->group + i % group;
+        if (len <= SEGMENT) { /* one segment: the output itself */
+            float *o = b->out + at * D;
+            const float inv = 1.0f / l[i];
+            for (int64_t d = 0; d < D; d++) o[d] = acc[i * D + d] * inv;
+            continue;
+        }
+        const int64_t part = at * b->max_segments + seg;
+        b->part_ml[2 * part] = m[i];
+        b->part_ml[2 * part + 1] = l[i];
+        memcpy(b->part_acc + part * D, acc + i * D, (size_t)D * sizeof(float));
     }
     free(limit);
     free(qs);
 }
 
+/* The output of query head qh of out row `row` whose member has num_segments > 1 segments:
+   their (m, l, acc) rescaled to the largest m and summed in segment order (a fixed order: the
+   same bits however the tasks ran). */
+static inline void merge_segments(const Batch *b, int64_t row, int64_t qh, int64_t num_segments,
+                                  int64_t D)
+{
+    const int64_t at = row * b->num_heads + qh, base = at * b->max_segments;
+    float top = NO_SCORE;
+    for (int64_t s = 0; s < num_segments; s++)
+        top = b->part_ml[2 * (base + s)] > top ? b->part_ml[2 * (base + s)] : top;
+    float *o = b->out + at * D, sum = 0.0f;
+    for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+    for (int64_t s = 0; s < num_segments; s++) {
+        const float w = exp2f(b->part_ml[2 * (base + s)] - top);
+        sum += b->part_ml[2 * (base + s) + 1] * w;
+        const float *a = b->part_acc + (base + s) * D;
+        for (int64_t d = 0; d < D; d++) o[d] += a[d] * w;
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t d = 0; d < D; d++) o[d] *= inv;
+}
+
 /* One task of a bfloat16 pool (kv_mode 1 or 2): decode_attention_bf16.c; of a bfloat16 model
    with bfloat16 dot products (kv_mode 2 where HAS_BF16_DOTS): decode_attention_dots.c; of an
    int8 pool (kv_mode 3): decode_attention_i8.c. */
-void decode_task_bf16(const Batch *b, const KeySource *src, int64_t u, int64_t head,
-                      int64_t D, int kv_mode);
-void decode_task_i8(const Batch *b, const KeySource *src, int64_t u, int64_t head, int64_t D,
-                    int kv_mode);
-void decode_task_dots(const Batch *b, const KeySource *src, int64_t u, int64_t head,
-                      int64_t D);
+void decode_task_bf16(const Batch *b, const KeySource *src, int64_t u, int64_t seg,
+                      int64_t head, int64_t D, int kv_mode);
+void decode_task_i8(const Batch *b, const KeySource *src, int64_t u, int64_t seg, int64_t head,
+                    int64_t D, int kv_mode);
+void decode_task_dots(const Batch *b, const KeySource *src, int64_t u, int64_t seg,
+                      int64_t head, int64_t D);
 
 #endif /* RADIXLM_DECODE_TASK_H */
