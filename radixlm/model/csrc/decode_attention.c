@@ -109,7 +109,8 @@ int decode_attention(const float *q, const void *k, const void *v, const void *k
         batch.part_acc = malloc(parts * (size_t)head_dim * sizeof(float));
     }
     int status = 0;
-    if (task_unit == NULL || (batch.max_segments > 1 && (!batch.part_ml || !batch.part_acc))) {
+    const int no_parts = batch.max_segments > 1 && (!batch.part_ml || !batch.part_acc);
+    if ((task_unit == NULL && num_work > 0) || no_parts) {
         status = 100;
         goto done;
     }

@@ -101,7 +101,8 @@ ALWAYS_INLINE void update_rows(const char *const *k_rows, const char *const *v_r
             vf dots[VL];
             for (int t = 0; t < VL; t++) dots[t] = qv[0] * load_kv(k_rows[j + t], 0, kind);
             for (int64_t c = 1; c < nv; c++)
-                for (int t = 0; t < VL; t++) dots[t] += qv[c] * load_kv(k_rows[j + t], VL * c, kind);
+                for (int t = 0; t < VL; t++)
+                    dots[t] += qv[c] * load_kv(k_rows[j + t], VL * c, kind);
             storev(s + j, sums_of(dots));
         }
         for (; j < count; j++) { /* the chunk's last keys, one at a time */
