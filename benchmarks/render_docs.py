@@ -171,12 +171,13 @@ def _quant_speed() -> str:
         share = f"{one['ours_roofline']:.0%} of {one['host_read_gb_s']:.0f} GB/s" if one else "–"
         tok_s = f"{prefill[1024]['ours_tok_s']:,.0f} tok/s" if 1024 in prefill else "–"
         versus = "–"
-        llama = BENCH / f"llamacpp_{isa}.json"
+        llama = BENCH / path.name.replace("quant_", "llamacpp_", 1)  # the same host's run
         if llama.exists():
             versus = f"{json.loads(llama.read_text())['ours_vs_llamacpp_decode']['exact']:.2f}x"
         threads = r.get("threads", "?")
+        forced = " (forced)" if (r.get("env") or {}).get("RADIXLM_ISA") else ""
         lines.append(
-            f"| {isa}, {r.get('dtype', '?')} | {ms} | {share} | {tok_s} | {versus} "
+            f"| {isa}{forced}, {r.get('dtype', '?')} | {ms} | {share} | {tok_s} | {versus} "
             f"| {cpu_label(r.get('host'))}; {threads} threads |"
         )
     return "\n".join(lines)
@@ -275,6 +276,11 @@ def avx2_section() -> str:
     if runs:
         parts += [headline_table(runs), peers.full_table(runs)]
     if served:
+        parts.append(
+            "The served run's host line below names its CPU: on one without AVX-512 the caps "
+            "change nothing and every engine runs its own AVX2 code, llama.cpp the xllamacpp "
+            "wheel's (its runs forced on an AVX-512 host are kept in `runs-avx2/forced-zen4/`)."
+        )
         parts.append(served_table(served))
     return "\n".join(parts)
 
