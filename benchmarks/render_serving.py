@@ -94,13 +94,21 @@ def speculation_section() -> str:
 
 
 def neighbour_section() -> str:
-    r = _recorded("neighbour_latency.json")
-    if r is None:
+    """One table per host that ran it: neighbour_latency.json, and neighbour_latency_<host>.json
+    from hosts of another CPU."""
+    runs = sorted(BENCH.glob("neighbour_latency*.json"))
+    if not runs:
         return _not_run("python benchmarks/neighbour_latency.py --json ...")
+    return "\n".join(_neighbour_table(path.name) for path in runs)
+
+
+def _neighbour_table(name: str) -> str:
+    r = _recorded(name)
+    assert r is not None  # listed by neighbour_section
     scenarios = r["scenarios"]
     lines = [
         "`python benchmarks/neighbour_latency.py --rounds 3 --json "
-        "docs/bench/neighbour_latency.json`: `radixlm serve` (float32, "
+        f"docs/bench/{name}`: `radixlm serve` (float32, "
         f"{r.get('num_threads', 1)} thread, `{r.get('serve_args') or 'defaults'}`) streams a "
         "neighbour's greedy chat alone, then beside "
         "one request with fields at their allowed maximum (benchmarks/neighbour_latency.py "
@@ -111,9 +119,9 @@ def neighbour_section() -> str:
         "|---|---:|---:|---:|",
     ]
     plain = scenarios.get("plain", {}).get("ratio_median")
-    for name, s in scenarios.items():
+    for key, s in scenarios.items():
         if "ratio_median" not in s:
             continue
         versus = f"{s['ratio_median'] / plain:.2f}x" if plain else "–"
-        lines.append(f"| {name} | {s['ratio_median']:.2f}x | {s['ratio_max']:.2f}x | {versus} |")
+        lines.append(f"| {key} | {s['ratio_median']:.2f}x | {s['ratio_max']:.2f}x | {versus} |")
     return "\n".join(lines) + "\n"
