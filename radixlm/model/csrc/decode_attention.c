@@ -56,18 +56,6 @@ static void run_task_dispatch(const Batch *b, const KeySource *src, int64_t u, i
     else run_task(b, src, u, seg, head, D, KV_F32, 0, 0);
 }
 
-/* The unit member r belongs to: units[u] <= r < units[u + 1] (a binary search). */
-static int64_t unit_of(const Batch *b, int64_t num_units, int64_t r)
-{
-    int64_t lo = 0, hi = num_units - 1;
-    while (lo < hi) {
-        const int64_t mid = (lo + hi + 1) / 2;
-        if (b->units[mid] <= r) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
-}
-
 /* Segments of unit u: those of its longest member (at least one). */
 static int64_t unit_segments(const Batch *b, int64_t u)
 {
@@ -76,7 +64,7 @@ static int64_t unit_segments(const Batch *b, int64_t u)
         const int64_t len = member_len(b, u, r);
         longest = len > longest ? len : longest;
     }
-    return longest > SEGMENT ? (longest + SEGMENT - 1) / SEGMENT : 1;
+    return segments_of(longest);
 }
 
 int decode_attention(const float *q, const void *k, const void *v, const void *k_scales,
@@ -130,12 +118,12 @@ int decode_attention(const float *q, const void *k, const void *v, const void *k
         }
         if (b->max_segments > 1) { /* after the loop's barrier: every segment is in */
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < num_rows * num_heads; i++) {
-                const int64_t r = i / num_heads, u = unit_of(b, num_units, r);
-                const int64_t len = member_len(b, u, r);
-                if (len > SEGMENT)
-                    merge_segments(b, member_row[r], i % num_heads, (len + SEGMENT - 1) / SEGMENT,
-                                   head_dim);
+            for (int64_t i = 0; i < num_units * num_heads; i++) {
+                const int64_t u = i / num_heads, qh = i % num_heads;
+                for (int64_t r = units[u]; r < units[u + 1]; r++) {
+                    const int64_t n = segments_of(member_len(b, u, r));
+                    if (n > 1) merge_segments(b, member_row[r], qh, n, head_dim);
+                }
             }
         }
     }

@@ -460,6 +460,12 @@ typedef struct {
 
 #define SEGMENT 256 /* keys per segment: a multiple of CHUNK, so segments never split a chunk */
 
+/* The segments of a sequence of len keys (at least one). */
+ALWAYS_INLINE int64_t segments_of(int64_t len)
+{
+    return len > SEGMENT ? (len + SEGMENT - 1) / SEGMENT : 1;
+}
+
 /* Keys of member r (of unit u) in all: its shared run and its own slots. */
 ALWAYS_INLINE int64_t member_len(const Batch *b, int64_t u, int64_t r)
 {
@@ -544,7 +550,7 @@ ALWAYS_INLINE void run_task(const Batch *b, const KeySource *src, int64_t u, int
         if (len <= lo) continue; /* no keys of this member in the segment */
         const int64_t row = b->member_row[first + i / group];
         const int64_t at = row * b->num_heads + head * b->group + i % group;
-        if (len <= SEGMENT) { /* one segment: the output itself */
+        if (segments_of(len) == 1) { /* one segment: the output itself */
             float *o = b->out + at * D;
             const float inv = 1.0f / l[i];
             for (int64_t d = 0; d < D; d++) o[d] = acc[i * D + d] * inv;
