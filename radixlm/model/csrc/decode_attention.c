@@ -83,27 +83,26 @@ int decode_attention(const float *q, const void *k, const void *v, const void *k
     Batch batch = {q,      out, num_heads, group, scale * LOG2E, units, shared, own,
                    member_row, slots, 1, NULL, NULL}; /* scores in log2 units */
     /* the tasks (unit, segment), unit by unit; their partials where a unit has several */
-    int64_t *work = malloc((size_t)(2 * num_units + 1) * sizeof(int64_t)), num_work = 0;
-    if (work == NULL) return 100;
+    int64_t num_work = 0;
     for (int64_t u = 0; u < num_units; u++) {
         const int64_t segments = unit_segments(&batch, u);
         batch.max_segments = segments > batch.max_segments ? segments : batch.max_segments;
-        work[2 * u] = num_work, work[2 * u + 1] = segments, num_work += segments;
+        num_work += segments;
     }
-    int64_t *task_unit = malloc((size_t)num_work * sizeof(int64_t));
+    int64_t *work = malloc((size_t)(2 * num_work + 1) * sizeof(int64_t)); /* (unit, segment) */
     if (batch.max_segments > 1) {
         const size_t parts = (size_t)(num_rows * num_heads * batch.max_segments);
         batch.part_ml = malloc(parts * 2 * sizeof(float));
         batch.part_acc = malloc(parts * (size_t)head_dim * sizeof(float));
     }
     int status = 0;
-    const int no_parts = batch.max_segments > 1 && (!batch.part_ml || !batch.part_acc);
-    if ((task_unit == NULL && num_work > 0) || no_parts) {
+    if (work == NULL || (batch.max_segments > 1 && (!batch.part_ml || !batch.part_acc))) {
         status = 100;
         goto done;
     }
-    for (int64_t u = 0; u < num_units; u++)
-        for (int64_t s = 0; s < work[2 * u + 1]; s++) task_unit[work[2 * u] + s] = u;
+    for (int64_t u = 0, w = 0; u < num_units; u++)
+        for (int64_t seg = 0, n = unit_segments(&batch, u); seg < n; seg++, w++)
+            work[2 * w] = u, work[2 * w + 1] = seg;
     const int64_t elem = kv_mode >= 3 ? 1 : kv_mode ? 2 : 4;
     const char *ks = kv_mode >= 3 ? k_scales : NULL, *vs = kv_mode >= 3 ? v_scales : NULL;
     const Batch *b = &batch;
@@ -111,10 +110,10 @@ int decode_attention(const float *q, const void *k, const void *v, const void *k
     {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < num_work * num_kv_heads; t++) {
-            const int64_t head = t % num_kv_heads, w = t / num_kv_heads, u = task_unit[w];
+            const int64_t head = t % num_kv_heads, w = t / num_kv_heads;
             const KeySource src = {k, v, slot_stride * elem, head * head_stride * elem,
                                    ks, vs, scales_slot_stride * 2, head * scales_head_stride * 2};
-            run_task_dispatch(b, &src, u, w - work[2 * u], head, head_dim, kv_mode);
+            run_task_dispatch(b, &src, work[2 * w], work[2 * w + 1], head, head_dim, kv_mode);
         }
         if (b->max_segments > 1) { /* after the loop's barrier: every segment is in */
 #pragma omp for schedule(static)
@@ -130,7 +129,6 @@ int decode_attention(const float *q, const void *k, const void *v, const void *k
 done:
     free(batch.part_acc);
     free(batch.part_ml);
-    free(task_unit);
     free(work);
     return status;
 }
