@@ -178,9 +178,13 @@ def _quant_speed() -> str:
         forced = " (forced)" if (r.get("env") or {}).get("RADIXLM_ISA") else ""
         lines.append(
             f"| {isa}{forced}, {r.get('dtype', '?')} | {ms} | {share} | {tok_s} | {versus} "
-            f"| {cpu_label(r.get('host'))}; {threads} threads |"
+            f"| {cpu_label(r.get('host'))}; {threads} threads; at {r.get('commit') or '?'} |"
         )
-    return "\n".join(lines)
+    note = (
+        "\n\nEach row ran on the CPU it names, at the commit it names; a row is re-measured only "
+        "on a host that can run its variant (`radixlm bench model --quant exact,fast,float`)."
+    )
+    return "\n".join(lines) + note
 
 
 def _peak_shares(prefill: list[dict[str, Any]]) -> str:
